@@ -1,0 +1,74 @@
+"""Dataclass configs for the engine and for sampling."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+ReuseMode = Literal["none", "prefix"]
+REUSE_MODES: tuple[str, ...] = ("none", "prefix")
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass
+class EngineConfig:
+    """How one embedded engine is built.
+
+    model: None or "smollm2-135m-instruct" for the default packaged model, a local checkpoint
+        directory (safetensors + tokenizer), or a path to a ``.gguf`` file.
+    device: "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N".
+    dtype: None picks bf16 on CUDA and fp32 on CPU; else "float32", "bfloat16", "float16".
+    reuse: "none" prefills every prompt; "prefix" reuses each agent's own exact prefix cache.
+    kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.
+    block_size: tokens per KV block.
+    max_batch_tokens: tokens one forward step may process (long prompts are chunked).
+    max_num_seqs: requests running at once; more wait in the queue.
+    max_context: context window override (default: the checkpoint's).
+    """
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    reuse: str = "prefix"
+    kv_budget_bytes: int = 2 * 1024**3
+    block_size: int = 16
+    max_batch_tokens: int = 1024
+    max_num_seqs: int = 32
+    max_context: int | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
+        if self.block_size <= 0 or self.max_batch_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("block_size, max_batch_tokens and max_num_seqs must be positive")
+        if self.kv_budget_bytes <= 0:
+            raise ValueError("kv_budget_bytes must be positive")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+
+    def validate(self) -> None:
+        """Raise ValueError on settings no request can run with."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")

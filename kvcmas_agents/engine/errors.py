@@ -1,0 +1,22 @@
+"""Errors the engine raises to callers."""
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """The request is malformed; raised before any work is done."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt does not fit the model's context window."""
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving a request; other requests are unaffected."""
+
+
+class EngineClosedError(EngineError):
+    """The engine was closed before or while the request ran."""
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model is not installed locally; the message says what to install."""
