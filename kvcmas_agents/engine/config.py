@@ -56,6 +56,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    return_logits: bool = False       # keep each generated step's fp32 logits (fidelity harness, tests)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

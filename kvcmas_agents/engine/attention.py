@@ -1,0 +1,56 @@
+"""Torch reference attention over the paged KV store (SDPA, causal, GQA)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .kv_store import KVStore
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a flat step: its new tokens are q[q_start:q_end]."""
+
+    q_start: int
+    q_end: int
+    context_len: int          # tokens in the KV after this step's tokens are written
+    gather: torch.Tensor      # slot indices of all context_len tokens, in order
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the last n = len(q) positions of a context of len(k) tokens.
+
+    q [n, H, D], k/v [ctx, KVH, D] -> [n, H, D].
+    """
+    n, ctx = q.shape[0], k.shape[0]
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if n == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
+    elif n == ctx:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query j sits at position ctx - n + j and sees every key up to it.
+        rows = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+class PagedAttention:
+    """AttentionBackend for one engine step: writes new K/V into their slots, then attends per sequence."""
+
+    def __init__(self, store: KVStore, slices: list[SeqSlice], write_slots: torch.Tensor, scale: float):
+        self.store, self.slices, self.write_slots, self.scale = store, slices, write_slots, scale
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.store.write(layer, self.write_slots, k, v)
+        kc, vc = self.store.k[layer], self.store.v[layer]
+        if len(self.slices) == 1:
+            s = self.slices[0]
+            return sdpa(q, kc[s.gather], vc[s.gather], self.scale)
+        out = torch.empty_like(q)
+        for s in self.slices:
+            out[s.q_start:s.q_end] = sdpa(q[s.q_start:s.q_end], kc[s.gather], vc[s.gather], self.scale)
+        return out

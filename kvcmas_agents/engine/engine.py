@@ -1,0 +1,375 @@
+"""The embedded engine: one per model per process, driven by a background worker thread.
+
+Callers on any event loop or thread submit requests and get awaitable streams. The worker owns all
+torch work: it admits requests, plans mixed prefill/decode steps, runs them, samples, and posts
+events back. A failing step is retried request by request so that only the culprit fails.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import uuid
+from collections import defaultdict
+from typing import Any, AsyncIterator, Iterable
+
+import torch
+
+from .chat import ChatFormatter
+from .config import EngineConfig, SamplingParams
+from .detokenize import IncrementalDetokenizer
+from .errors import EngineClosedError, EngineError, InvalidRequestError
+from .kv_store import KVStore
+from .loader import load_model
+from .model import LlamaModel
+from .outputs import RequestOutput, StreamDelta, Usage
+from .request import Request
+from .runner import ModelRunner
+from .sampling import Sampler, make_generator
+from .scheduler import Scheduler, StepItem
+from .sinks import LoopSink, ThreadSink
+from .tools import parse_tool_calls
+
+_ABORT, _CLOSE = "abort", "close"
+
+
+class Engine:
+    """An embedded LLM engine shared by every agent in the process.
+
+    >>> engine = Engine(EngineConfig(reuse="prefix"))
+    >>> out = await engine.generate(messages, agent="reviewer", sampling=SamplingParams(max_tokens=64))
+    """
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any):
+        self.config = config or EngineConfig(**overrides)
+        loaded = load_model(self.config.model, self.config.device, self.config.dtype, self.config.cache_dir)
+        self.model_name = loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.args = loaded.args
+        self.max_context = min(self.config.max_context or loaded.args.max_position_embeddings,
+                               loaded.args.max_position_embeddings)
+        self.model = LlamaModel(loaded.args, loaded.weights, self.max_context)
+        self.device = self.model.device
+        self.store = KVStore(loaded.args.num_layers, loaded.args.num_kv_heads, loaded.args.head_dim,
+                             self.config.block_size, self.config.kv_budget_bytes, self.device, self.model.dtype)
+        self.scheduler = Scheduler(self.config, self.store)
+        self.runner = ModelRunner(self.model, self.store)
+        self.sampler = Sampler()
+        self.formatter = ChatFormatter(self.tokenizer, self.max_context)
+        self.stop_token_ids = self.formatter.stop_token_ids | set(loaded.args.eos_token_ids)
+        self._tok_lock = threading.Lock()     # HF fast tokenizers are not safe to share across threads
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._ids = itertools.count()
+        self._closed = False
+        self._counters: dict[str, int] = defaultdict(int)
+        self._agents: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._stats_lock = threading.Lock()
+        self._worker = threading.Thread(target=self._loop, name="kvcmas-engine", daemon=True)
+        self._worker.start()
+
+    # --- public API ------------------------------------------------------------------------
+    async def generate(self, messages: list[dict], agent: str = "default",
+                       sampling: SamplingParams | None = None, tools: list[dict] | None = None,
+                       tool_choice: Any = None, request_id: str | None = None) -> RequestOutput:
+        """Run one chat request to completion and return its output."""
+        async for delta in self.stream(messages, agent, sampling, tools, tool_choice, request_id):
+            if delta.output is not None:
+                return delta.output
+        raise EngineError("stream ended without an output")  # unreachable: the worker always finishes
+
+    async def stream(self, messages: list[dict], agent: str = "default",
+                     sampling: SamplingParams | None = None, tools: list[dict] | None = None,
+                     tool_choice: Any = None, request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Stream a chat request: text deltas, then a final delta carrying finish_reason and output.
+
+        Cancelling the consumer (or leaving the loop early) aborts the request and frees its KV.
+        """
+        sink = LoopSink(asyncio.get_running_loop())
+        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink)
+        self._submit(req)
+        done = False
+        try:
+            while True:
+                event = await sink.get()
+                if isinstance(event, BaseException):
+                    done = True
+                    raise event
+                done = event.output is not None
+                yield event
+                if done:
+                    return
+        finally:
+            if not done:
+                self._inbox.put((_ABORT, req))
+
+    def generate_sync(self, messages: list[dict], agent: str = "default",
+                      sampling: SamplingParams | None = None, tools: list[dict] | None = None,
+                      tool_choice: Any = None, request_id: str | None = None) -> RequestOutput:
+        """Blocking ``generate`` for synchronous callers (any thread, no event loop needed)."""
+        sink = ThreadSink()
+        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink)
+        self._submit(req)
+        try:
+            while True:
+                event = sink.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if event.output is not None:
+                    return event.output
+        except BaseException:
+            self._inbox.put((_ABORT, req))
+            raise
+
+    def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
+        """Prompt tokens these messages render to (with the generation prompt)."""
+        with self._tok_lock:
+            return len(self.formatter.render(messages, tools).token_ids)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot of KV memory, cache hits and per-agent usage."""
+        kv = self.store.stats()
+        with self._stats_lock:
+            agents = {a: dict(v) for a, v in self._agents.items()}
+            counters = dict(self._counters)
+        for a in agents.values():
+            if a.get("requests"):
+                a["ttft_s_mean"] = a.get("ttft_s_total", 0.0) / a["requests"]
+        return {
+            "model": self.model_name, "device": str(self.device), "dtype": str(self.model.dtype).replace("torch.", ""),
+            "reuse": self.config.reuse, "block_size": self.store.block_size, "block_bytes": kv.block_bytes,
+            "kv_budget_bytes": self.config.kv_budget_bytes,
+            "kv_bytes": kv.kv_bytes, "kv_bytes_active": kv.blocks_active * kv.block_bytes,
+            "kv_bytes_cached": kv.blocks_cached * kv.block_bytes, "kv_bytes_peak": kv.kv_bytes_peak,
+            "blocks_total": kv.blocks_total, "blocks_in_use": kv.blocks_active, "blocks_cached": kv.blocks_cached,
+            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "prefix_hit_tokens": counters.get("cached_tokens", 0),
+            "template_fallbacks": counters.get("template_fallbacks", 0),
+            **{k: counters.get(k, 0) for k in ("requests", "completed", "failed", "aborted",
+                                                "prompt_tokens", "completion_tokens", "steps", "max_batch_seqs")},
+            "agents": agents,
+        }
+
+    def reset_peak(self) -> None:
+        """Restart peak KV accounting from the current level (for benchmarks)."""
+        self.store.reset_peak()
+
+    async def aclose(self) -> None:
+        """Stop the worker; pending requests fail with EngineClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inbox.put((_CLOSE, None))
+        await asyncio.get_running_loop().run_in_executor(None, self._worker.join)
+
+    def close(self) -> None:
+        """Synchronous ``aclose``."""
+        if not self._closed:
+            self._closed = True
+            self._inbox.put((_CLOSE, None))
+            self._worker.join()
+
+    # --- request intake (caller thread) ------------------------------------------------------
+    def _make_request(self, messages: Any, agent: str, sampling: SamplingParams | None,
+                      tools: list[dict] | None, tool_choice: Any, request_id: str | None, sink: Any) -> Request:
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        if not isinstance(agent, str) or not agent:
+            raise InvalidRequestError("agent must be a non-empty string")
+        sampling = sampling or SamplingParams()
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        with self._tok_lock:
+            prompt = self.formatter.render(messages, tools, tool_choice=tool_choice)
+            detok = IncrementalDetokenizer(self.tokenizer, sampling.stop, prompt.token_ids)
+        max_new = min(sampling.max_tokens, self.max_context - len(prompt.token_ids))
+        req = Request(request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", agent=agent,
+                      prompt=prompt, sampling=sampling, max_new_tokens=max_new, detok=detok, sink=sink,
+                      generator=make_generator(sampling.seed, self.device) if sampling.temperature > 0 else None)
+        if tools:
+            req.tool_names = {t.get("function", t).get("name") for t in tools if isinstance(t, dict)}
+        need = self.scheduler.blocks_for(req.max_total_tokens)
+        if need > self.store.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {need} KV blocks ({len(prompt.token_ids)} prompt + {max_new} new tokens) but "
+                f"kv_budget_bytes={self.config.kv_budget_bytes} holds only {self.store.num_blocks}")
+        return req
+
+    def _submit(self, req: Request) -> None:
+        if self._closed:
+            raise EngineClosedError("engine is closed")
+        with self._stats_lock:
+            self._counters["requests"] += 1
+            if not req.prompt.prefix_stable:
+                self._counters["template_fallbacks"] += 1
+        self._inbox.put(("add", req))
+
+    # --- worker thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            try:
+                if not self._drain_inbox(block=not self.scheduler.has_work()):
+                    break
+                items = self.scheduler.schedule()
+                if items:
+                    self._step(items)
+            except Exception as exc:     # a bug outside any one request: fail everything in flight
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._fail(req, EngineError(f"engine step failed: {exc!r}"))
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._fail(req, EngineClosedError("engine closed while the request was pending"))
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued commands; returns False on close."""
+        try:
+            cmd, arg = self._inbox.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if cmd == _CLOSE:
+                return False
+            if cmd == "add":
+                self.scheduler.add(arg)
+            elif cmd == _ABORT and arg.finish_reason is None:
+                arg.aborted = True
+                self._retire(arg, "aborted")
+            try:
+                cmd, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _step(self, items: list[StepItem]) -> None:
+        try:
+            logits = self.runner.run(items)
+            results = [(items, logits)]
+        except Exception:
+            # Isolate: rerun each request alone; rewriting the same KV slots is harmless.
+            results = []
+            for item in items:
+                try:
+                    results.append(([item], self.runner.run([item])))
+                except Exception as exc:
+                    self._fail(item.request, EngineError(f"forward failed for {item.request.request_id}: {exc!r}"))
+        with self._stats_lock:
+            self._counters["steps"] += 1
+            self._counters["max_batch_seqs"] = max(self._counters["max_batch_seqs"], len(items))
+        for group, logits in results:
+            sampling = [it.request for it in group if it.samples]   # decided before committing
+            for item in group:
+                self.scheduler.committed(item)
+            if sampling:
+                self._sample(sampling, logits)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        try:
+            tokens = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+        except Exception:
+            tokens = []
+            for i, r in enumerate(reqs):
+                try:
+                    tokens.append(int(self.sampler(logits[i:i + 1], [r.sampling], [r.generator])[0]))
+                except Exception as exc:
+                    self._fail(r, EngineError(f"sampling failed: {exc!r}"))
+                    tokens.append(None)
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            if tok is None or req.finish_reason is not None:
+                continue
+            if req.sampling.return_logits:
+                req.logits.append(logits[i].detach().to("cpu", copy=True))
+            try:
+                self._append_token(req, tok)
+            except Exception as exc:
+                self._fail(req, EngineError(f"post-processing failed: {exc!r}"))
+
+    def _append_token(self, req: Request, tok: int) -> None:
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        if tok in self.stop_token_ids and not req.sampling.ignore_eos:
+            req.stop_reason = self.tokenizer.convert_ids_to_tokens(tok)
+            return self._retire(req, "stop")
+        req.output_ids.append(tok)
+        with self._tok_lock:
+            text = req.detok.push(tok)
+        if req.detok.stopped:
+            req.stop_reason = req.detok.matched_stop
+            return self._retire(req, "stop", text)
+        if len(req.output_ids) >= req.max_new_tokens:
+            return self._retire(req, "length", text)
+        self._emit(req, StreamDelta(text=text, token_ids=[tok]))
+
+    def _emit(self, req: Request, event: Any) -> None:
+        try:
+            req.sink(event)
+        except RuntimeError:     # the caller's event loop is gone: nobody is listening
+            if req.finish_reason is None:
+                req.aborted = True
+                self._retire(req, "aborted")
+
+    def _retire(self, req: Request, reason: str, text: str = "") -> None:
+        """Finish a request: free its KV, record stats, and send the final event."""
+        req.finish_reason = reason
+        self.scheduler.finish(req)
+        if reason in ("aborted", "error"):
+            with self._stats_lock:
+                self._counters["aborted" if reason == "aborted" else "failed"] += 1
+            return
+        with self._tok_lock:
+            text += req.detok.finish()
+        out = self._output(req)
+        self._record(req, out)
+        self._emit(req, StreamDelta(text=text, token_ids=[], finish_reason=out.finish_reason, output=out))
+
+    def _fail(self, req: Request, exc: BaseException) -> None:
+        if req.finish_reason is not None:
+            return
+        self._retire(req, "error")
+        self._emit(req, exc)
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.detok.text
+        parsed = parse_tool_calls(text, req.tool_names) if req.tool_names else None
+        reason = req.finish_reason
+        if parsed is not None and parsed.tool_calls:
+            reason = "tool_calls"
+        now = time.perf_counter()
+        usage = Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                      cached_tokens=req.cached_tokens, reused_tokens=req.reused_tokens,
+                      recomputed_tokens=req.recomputed_tokens)
+        return RequestOutput(
+            request_id=req.request_id, agent=req.agent, text=text, token_ids=list(req.output_ids),
+            finish_reason=reason, ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival,
+            usage=usage, content=parsed.content if parsed else text,
+            tool_calls=parsed.tool_calls if parsed else [],
+            invalid_tool_calls=parsed.invalid_tool_calls if parsed else [],
+            stop_reason=req.stop_reason,
+            reuse=self.config.reuse if req.prompt.prefix_stable else "none",
+            prefix_stable=req.prompt.prefix_stable,
+            logits=req.logits if req.sampling.return_logits else None)
+
+    def _record(self, req: Request, out: RequestOutput) -> None:
+        u = out.usage
+        with self._stats_lock:
+            c = self._counters
+            c["completed"] += 1
+            c["prompt_tokens"] += u.prompt_tokens
+            c["completion_tokens"] += u.completion_tokens
+            c["cached_tokens"] += u.cached_tokens
+            a = self._agents[req.agent]
+            a["requests"] += 1
+            a["ttft_s_total"] += out.ttft_s
+            for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "reused_tokens", "recomputed_tokens"):
+                a[k] += getattr(u, k)
+
+    # --- context manager sugar ---------------------------------------------------------------
+    async def __aenter__(self) -> "Engine":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+
+def _iter_agents(stats: dict[str, Any]) -> Iterable[str]:
+    return stats.get("agents", {}).keys()

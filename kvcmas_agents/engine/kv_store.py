@@ -1,0 +1,127 @@
+"""Paged KV memory: one preallocated tensor pair, fixed-size blocks, ref counts and byte accounting.
+
+A block is *active* while some request holds a reference, *cached* when unreferenced but indexed by
+the prefix cache (kept until its space is needed, then evicted least recently used first), and *free*
+otherwise. Byte figures count active + cached blocks: that is the KV the engine really holds.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+class OutOfBlocksError(RuntimeError):
+    """No free or evictable block is left."""
+
+
+@dataclass
+class KVStoreStats:
+    blocks_total: int
+    blocks_active: int
+    blocks_cached: int
+    block_bytes: int
+    peak_blocks: int
+
+    @property
+    def kv_bytes(self) -> int:
+        return (self.blocks_active + self.blocks_cached) * self.block_bytes
+
+    @property
+    def kv_bytes_peak(self) -> int:
+        return self.peak_blocks * self.block_bytes
+
+
+class KVStore:
+    """Block-paged K and V tensors shaped [layers, num_blocks * block_size, kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 budget_bytes: int, device: torch.device, dtype: torch.dtype):
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.block_size = block_size
+        self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        self.num_blocks = budget_bytes // self.block_bytes
+        if self.num_blocks < 1:
+            raise ValueError(f"kv_budget_bytes={budget_bytes} is smaller than one block ({self.block_bytes} bytes)")
+        shape = (num_layers, self.num_blocks * block_size, num_kv_heads, head_dim)
+        # torch.empty does not touch pages on CPU, so an unused budget costs no resident memory.
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.ref = [0] * self.num_blocks
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._lru: OrderedDict[int, None] = OrderedDict()   # cached (unreferenced, indexed) blocks
+        self._active = 0
+        self._peak = 0
+        self.on_evict: Callable[[int], None] | None = None   # set by the prefix cache
+
+    # --- allocation -------------------------------------------------------------------------
+    @property
+    def num_available(self) -> int:
+        """Blocks a request could get now: free ones plus evictable cached ones."""
+        return len(self._free) + len(self._lru)
+
+    def allocate(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._lru:
+            block, _ = self._lru.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(block)
+        else:
+            raise OutOfBlocksError("KV budget exhausted")
+        self.ref[block] = 1
+        self._active += 1
+        self._update_peak()
+        return block
+
+    def incref(self, block: int) -> None:
+        """Take a reference, reviving a cached block if needed."""
+        if self.ref[block] == 0:
+            self._lru.pop(block)
+            self._active += 1
+        self.ref[block] += 1
+
+    def decref(self, block: int, cached: bool) -> None:
+        """Drop a reference; an unreferenced block stays cached if indexed, else becomes free."""
+        assert self.ref[block] > 0, f"block {block} released twice"
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            self._active -= 1
+            if cached:
+                self._lru[block] = None
+            else:
+                self._free.append(block)
+
+    def uncache(self, block: int) -> None:
+        """Drop an unreferenced cached block to the free list (e.g. when the cache is cleared)."""
+        if block in self._lru:
+            del self._lru[block]
+            self._free.append(block)
+
+    def touch(self, block: int) -> None:
+        if block in self._lru:
+            self._lru.move_to_end(block)
+
+    def _update_peak(self) -> None:
+        held = self._active + len(self._lru)
+        if held > self._peak:
+            self._peak = held
+
+    def reset_peak(self) -> None:
+        self._peak = self._active + len(self._lru)
+
+    # --- data ------------------------------------------------------------------------------
+    def slots(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
+        """Flat slot indices for token positions [start, end) of a sequence with these blocks."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(blocks, dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(self.k.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def stats(self) -> KVStoreStats:
+        return KVStoreStats(self.num_blocks, self._active, len(self._lru), self.block_bytes, self._peak)

@@ -1,0 +1,94 @@
+"""Llama-family forward pass (Llama, Qwen2, Mistral, SmolLM) over plain weight tensors.
+
+The model never owns a KV cache. Each layer hands its rotated q/k/v to an ``AttentionBackend``,
+which decides where keys and values live and what each token attends to. That seam lets the engine
+use a paged cache and lets a correction step recompute a chosen subset of tokens, layer by layer,
+against any KV view it supplies.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .model_args import ModelArgs
+from .rope import RotaryEmbedding, rotate
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] for the step's new tokens -> attention output [T, H, D]."""
+        ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 like the reference implementations, then cast back.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    """Functional Llama-family transformer. Weights use HF parameter names."""
+
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], max_positions: int):
+        self.args = args
+        self.w = weights
+        emb = weights["model.embed_tokens.weight"]
+        self.device, self.dtype = emb.device, emb.dtype
+        self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling,
+                                    args.max_position_embeddings, max_positions, self.device, self.dtype)
+        self.scale = args.head_dim ** -0.5
+        self._layers = [self._layer_weights(i) for i in range(args.num_layers)]
+
+    def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
+        p = f"model.layers.{i}."
+        g = self.w.get
+        return {
+            "in_norm": self.w[p + "input_layernorm.weight"],
+            "post_norm": self.w[p + "post_attention_layernorm.weight"],
+            "q": self.w[p + "self_attn.q_proj.weight"], "q_b": g(p + "self_attn.q_proj.bias"),
+            "k": self.w[p + "self_attn.k_proj.weight"], "k_b": g(p + "self_attn.k_proj.bias"),
+            "v": self.w[p + "self_attn.v_proj.weight"], "v_b": g(p + "self_attn.v_proj.bias"),
+            "o": self.w[p + "self_attn.o_proj.weight"],
+            "gate": self.w[p + "mlp.gate_proj.weight"],
+            "up": self.w[p + "mlp.up_proj.weight"],
+            "down": self.w[p + "mlp.down_proj.weight"],
+        }
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.w["model.embed_tokens.weight"])
+
+    def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor):
+        """Pre-norm and project hidden states h [T, hidden]; returns rotated q, k and plain v."""
+        a, lw = self.args, self._layers[layer]
+        x = rms_norm(h, lw["in_norm"], a.rms_norm_eps)
+        t = x.shape[0]
+        q = F.linear(x, lw["q"], lw["q_b"]).view(t, a.num_heads, a.head_dim)
+        k = F.linear(x, lw["k"], lw["k_b"]).view(t, a.num_kv_heads, a.head_dim)
+        v = F.linear(x, lw["v"], lw["v_b"]).view(t, a.num_kv_heads, a.head_dim)
+        cos, sin = self.rope.cos_sin(positions)
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, and the SwiGLU MLP block."""
+        lw = self._layers[layer]
+        h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw["o"])
+        x = rms_norm(h, lw["post_norm"], self.args.rms_norm_eps)
+        return h + F.linear(F.silu(F.linear(x, lw["gate"])) * F.linear(x, lw["up"]), lw["down"])
+
+    def layer(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        q, k, v = self.qkv(layer, h, positions)
+        return self.finish_layer(layer, h, attn(layer, q, k, v))
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Run all layers over flat tokens [T]; returns final-normed hidden states [T, hidden]."""
+        h = self.embed(token_ids)
+        for i in range(self.args.num_layers):
+            h = self.layer(i, h, positions, attn)
+        return rms_norm(h, self.w["model.norm.weight"], self.args.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Project final hidden states to fp32 vocabulary logits."""
+        return F.linear(hidden, self.w["lm_head.weight"]).float()

@@ -1,0 +1,63 @@
+"""What the engine hands back to callers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tools import InvalidToolCall, ToolCall
+
+
+@dataclass
+class Usage:
+    """Token accounting for one request.
+
+    cached_tokens: prompt tokens whose KV came exactly from the prefix cache.
+    reused_tokens: prompt tokens whose KV was reused from another agent's view (KVCMAS modes).
+    recomputed_tokens: reused tokens that were recomputed to correct them.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens that went through a full forward pass in this request."""
+        return self.prompt_tokens - self.cached_tokens - self.reused_tokens
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. ``text`` is the raw completion; ``content`` has tool-call blocks removed."""
+
+    request_id: str
+    agent: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str                    # "stop" | "length" | "tool_calls"
+    ttft_s: float
+    latency_s: float
+    usage: Usage
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    invalid_tool_calls: list[InvalidToolCall] = field(default_factory=list)
+    stop_reason: str | None = None        # the stop string or token text that ended the request
+    reuse: str = "none"                   # reuse mode that actually served this request
+    prefix_stable: bool = True            # False when the template forced a plain prefill
+    logits: list[Any] | None = None       # per generated token fp32 logits, when asked for
+
+
+@dataclass
+class StreamDelta:
+    """One streamed step: new text and tokens; the last delta carries finish_reason and the output."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    output: RequestOutput | None = None

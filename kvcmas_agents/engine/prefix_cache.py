@@ -1,0 +1,73 @@
+"""Exact prefix cache: full KV blocks indexed by a chained hash of (namespace, token ids).
+
+The namespace is the agent for ``reuse="prefix"`` (per-agent caching, as non-shared serving does
+it). Each entry also keeps its tokens, so a hash collision can never hand out wrong KV.
+"""
+from __future__ import annotations
+
+from .kv_store import KVStore
+
+
+class PrefixCache:
+    def __init__(self, store: KVStore):
+        self.store = store
+        self._by_hash: dict[int, int] = {}
+        self._entry: dict[int, tuple[int, tuple[int, ...]]] = {}   # block -> (hash, tokens)
+        store.on_evict = self._forget
+
+    @staticmethod
+    def chain(parent: int, namespace: str, tokens: tuple[int, ...]) -> int:
+        return hash((parent, namespace, tokens))
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._entry
+
+    def match(self, namespace: str, token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        """Longest run of cached full blocks covering a prefix of token_ids, at most max_tokens long.
+
+        Returns the blocks, referenced for the caller (who must release them), and the chained hash
+        after them (to resume indexing from).
+        """
+        bs = self.store.block_size
+        blocks: list[int] = []
+        parent = 0
+        for start in range(0, max_tokens - bs + 1, bs):
+            tokens = tuple(token_ids[start:start + bs])
+            h = self.chain(parent, namespace, tokens)
+            block = self._by_hash.get(h)
+            if block is None or self._entry[block][1] != tokens:
+                break
+            blocks.append(block)
+            parent = h
+        for block in blocks:
+            self.store.incref(block)
+            self.store.touch(block)
+        return blocks, parent
+
+    def insert(self, namespace: str, token_ids: list[int], blocks: list[int],
+               start_block: int, end_block: int, parent: int) -> int:
+        """Index full blocks [start_block, end_block) of a sequence whose KV is computed.
+
+        parent is the chained hash of the blocks before start_block; returns the hash after end_block.
+        """
+        bs = self.store.block_size
+        for i in range(start_block, end_block):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent = self.chain(parent, namespace, tokens)
+            block = blocks[i]
+            if block in self._entry or parent in self._by_hash:
+                continue    # already indexed (this block, or an identical twin)
+            self._by_hash[parent] = block
+            self._entry[block] = (parent, tokens)
+        return parent
+
+    def _forget(self, block: int) -> None:
+        entry = self._entry.pop(block, None)
+        if entry is not None:
+            self._by_hash.pop(entry[0], None)
+
+    def clear(self) -> None:
+        """Drop every index entry; unreferenced cached blocks become free."""
+        for block in list(self._entry):
+            self._forget(block)
+            self.store.uncache(block)

@@ -1,0 +1,39 @@
+"""Runs one planned step through the model over the paged KV store."""
+from __future__ import annotations
+
+import torch
+
+from .attention import PagedAttention, SeqSlice
+from .kv_store import KVStore
+from .model import LlamaModel
+from .scheduler import StepItem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, store: KVStore):
+        self.model = model
+        self.store = store
+
+    @torch.inference_mode()
+    def run(self, items: list[StepItem]) -> torch.Tensor:
+        """Forward the step's tokens; returns fp32 logits [n_sampling, vocab], one row per
+        item whose chunk reaches the end of its tokens, in item order."""
+        dev = self.model.device
+        tokens, positions, write, slices, rows = [], [], [], [], []
+        offset = 0
+        for item in items:
+            req, n = item.request, item.num_tokens
+            start = req.num_computed
+            tokens.extend(req.all_ids[start:start + n])
+            positions.append(torch.arange(start, start + n))
+            write.append(self.store.slots(req.blocks, start, start + n))
+            gather = self.store.slots(req.blocks, 0, start + n)
+            slices.append(SeqSlice(offset, offset + n, start + n, gather))
+            offset += n
+            if item.samples:
+                rows.append(offset - 1)
+        attn = PagedAttention(self.store, slices, torch.cat(write), self.model.scale)
+        hidden = self.model.forward(torch.tensor(tokens, device=dev), torch.cat(positions).to(dev), attn)
+        if not rows:
+            return hidden.new_empty((0, self.model.args.vocab_size), dtype=torch.float32)
+        return self.model.logits(hidden[torch.tensor(rows, device=dev)])

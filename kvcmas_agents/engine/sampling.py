@@ -1,0 +1,114 @@
+"""Next-token selection: greedy, temperature, top-k and top-p sampling."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import SamplingParams
+
+# Dividing by a near-zero temperature can overflow fp32 logits to inf (then NaN in softmax).
+_MIN_TEMPERATURE = 1e-6
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """Return a per-request generator on ``device``.
+
+    A ``None`` seed gets a generator seeded from ``os.urandom``, so every sampled request still
+    owns its RNG stream and never touches (or depends on) the global torch RNG.
+    """
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") & ((1 << 63) - 1)
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(int(seed))
+    return gen
+
+
+def _needs_filter(p: SamplingParams, vocab: int) -> bool:
+    return (0 < p.top_k < vocab) or p.top_p < 1.0
+
+
+def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply top-k then top-p to temperature-scaled logits [N, V].
+
+    Returns (probs over the descending-sorted vocab, the sort indices). top_k <= 0 or top_p >= 1
+    disable the respective filter for that row.
+    """
+    # Stable sort so ties rank the same way every time, keeping seeded sampling reproducible.
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True, stable=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+
+    probs = torch.softmax(sorted_logits, dim=-1)
+    # Drop a token when the mass strictly before it already reaches top_p; rank 0 has zero mass
+    # before it, so the top token always survives.
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    p = top_p.unsqueeze(1)
+    drop = (mass_before >= p) & (p < 1.0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(sorted_logits, dim=-1), sorted_idx
+
+
+def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """Draw one index ([1] int64, on ``probs``' device) with ``gen`` (global RNG when None)."""
+    if gen is not None and gen.device != probs.device:
+        # Sample where the generator lives rather than fail on a device mismatch.
+        return torch.multinomial(probs.to(gen.device), 1, generator=gen).to(probs.device)
+    return torch.multinomial(probs, 1, generator=gen)
+
+
+class Sampler:
+    """Turns a batch of last-token logits into next token ids, one SamplingParams per row.
+
+    Rows with temperature 0 take ``argmax`` of the fp32 logits. Other rows divide by the
+    temperature, apply top-k, then top-p, and draw with ``torch.multinomial`` using the row's own
+    generator (``None`` falls back to the global torch RNG). A row's result depends only on its
+    own logits, params and generator, never on the rest of the batch.
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """Return next token ids as a [B] int64 CPU tensor for ``logits`` of shape [B, V]."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch, vocab = logits.shape
+        if len(params) != batch or len(generators) != batch:
+            raise ValueError(f"need one params and one generator per row: {batch} rows, "
+                             f"{len(params)} params, {len(generators)} generators")
+        x = logits.float()
+        out = torch.argmax(x, dim=-1)
+
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        if not sampled:
+            return out.cpu()
+        temps = torch.tensor([max(params[i].temperature, _MIN_TEMPERATURE) for i in sampled],
+                             dtype=torch.float32, device=x.device)
+        scaled = x[sampled] / temps.unsqueeze(1)
+
+        # Rows without top-k/top-p sample the plain softmax and skip the full-vocab sort.
+        filt = [j for j, i in enumerate(sampled) if _needs_filter(params[i], vocab)]
+        plain = [j for j, i in enumerate(sampled) if not _needs_filter(params[i], vocab)]
+        rows: list[int] = []
+        picks: list[torch.Tensor] = []
+        if plain:
+            probs = torch.softmax(scaled[plain], dim=-1)
+            for row, j in enumerate(plain):
+                rows.append(sampled[j])
+                picks.append(_draw(probs[row], generators[sampled[j]]))
+        if filt:
+            frows = [sampled[j] for j in filt]
+            top_k = torch.tensor([params[i].top_k for i in frows], dtype=torch.long, device=x.device)
+            top_p = torch.tensor([params[i].top_p for i in frows], dtype=torch.float32,
+                                 device=x.device)
+            probs, order = _filtered_probs(scaled[filt], top_k, top_p)
+            for row, i in enumerate(frows):
+                rows.append(i)
+                picks.append(order[row, _draw(probs[row], generators[i])])
+        out[torch.tensor(rows, device=x.device)] = torch.cat(picks)
+        return out.cpu()  # the single device-to-host copy per step

@@ -1,0 +1,123 @@
+"""Admission, KV block bookkeeping and step planning (continuous batching with chunked prefill).
+
+Each step mixes one decode token per running request with prompt chunks, under a token budget.
+A request is admitted only when the blocks for its whole prompt and max_tokens can be promised,
+so decode never runs out of KV and nothing needs preemption.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .config import EngineConfig
+from .kv_store import KVStore
+from .prefix_cache import PrefixCache
+from .request import Request
+
+
+@dataclass
+class StepItem:
+    request: Request
+    num_tokens: int          # new tokens fed this step, starting at request.num_computed
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the request's known tokens."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, store: KVStore):
+        self.config = config
+        self.store = store
+        self.prefix = PrefixCache(store)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._promised = 0           # reserved-but-unallocated blocks over running requests
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.store.block_size)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> None:
+        """Move waiting requests to running, FIFO, while their KV can be promised."""
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            self._find_reusable(req)
+            need = self.blocks_for(req.max_total_tokens) - len(req.blocks)
+            if need > self.store.num_available - self._promised:
+                self._release(req)
+                req.num_computed = req.cached_tokens = 0
+                return
+            self.waiting.popleft()
+            req.reserved_blocks = need
+            self._promised += need
+            self.running.append(req)
+
+    def _find_reusable(self, req: Request) -> None:
+        """The reuse seam: give the request KV it need not compute, before its prefill."""
+        if self.config.reuse != "prefix" or not req.prompt.prefix_stable:
+            return
+        # Leave at least one prompt token to run, so the step produces logits.
+        blocks, parent = self.prefix.match(req.agent, req.prompt_ids, len(req.prompt_ids) - 1)
+        req.blocks = blocks
+        req.num_computed = req.cached_tokens = len(blocks) * self.store.block_size
+        req.indexed_blocks, req.index_parent = len(blocks), parent
+
+    def finish(self, req: Request) -> None:
+        """Release a request's KV (running or waiting); cached blocks stay indexed."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        for b in req.blocks:
+            self.store.decref(b, cached=self.prefix.is_cached(b))
+        req.blocks = []
+        self._promised -= req.reserved_blocks
+        req.reserved_blocks = 0
+
+    # --- steps ---------------------------------------------------------------------------------
+    def schedule(self) -> list[StepItem]:
+        """Plan one step: decodes first, then prompt chunks, within max_batch_tokens."""
+        self.admit()
+        budget = self.config.max_batch_tokens
+        items: list[StepItem] = []
+        for req in self.running:
+            if not req.in_prefill and budget > 0:
+                items.append(StepItem(req, 1))
+                budget -= 1
+        for req in self.running:
+            if req.in_prefill and budget > 0:
+                n = min(len(req.prompt_ids) - req.num_computed, budget)
+                items.append(StepItem(req, n))
+                budget -= n
+        for item in items:
+            self._ensure_blocks(item.request, item.request.num_computed + item.num_tokens)
+        return items
+
+    def _ensure_blocks(self, req: Request, num_tokens: int) -> None:
+        while len(req.blocks) < self.blocks_for(num_tokens):
+            req.blocks.append(self.store.allocate())
+            req.reserved_blocks -= 1
+            self._promised -= 1
+
+    def committed(self, item: StepItem) -> None:
+        """Record that the step's tokens now have KV; index newly full blocks."""
+        req = item.request
+        req.num_computed += item.num_tokens
+        if self.config.reuse != "prefix" or not req.prompt.prefix_stable:
+            return
+        full = req.num_computed // self.store.block_size
+        if full > req.indexed_blocks:
+            req.index_parent = self.prefix.insert(req.agent, req.all_ids, req.blocks,
+                                                  req.indexed_blocks, full, req.index_parent)
+            req.indexed_blocks = full
