@@ -51,7 +51,7 @@ class LlamaModel:
             "q": self.w[p + "self_attn.q_proj.weight"], "q_b": g(p + "self_attn.q_proj.bias"),
             "k": self.w[p + "self_attn.k_proj.weight"], "k_b": g(p + "self_attn.k_proj.bias"),
             "v": self.w[p + "self_attn.v_proj.weight"], "v_b": g(p + "self_attn.v_proj.bias"),
-            "o": self.w[p + "self_attn.o_proj.weight"],
+            "o": self.w[p + "self_attn.o_proj.weight"], "o_b": g(p + "self_attn.o_proj.bias"),
             "gate": self.w[p + "mlp.gate_proj.weight"],
             "up": self.w[p + "mlp.up_proj.weight"],
             "down": self.w[p + "mlp.down_proj.weight"],
@@ -74,7 +74,7 @@ class LlamaModel:
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP block."""
         lw = self._layers[layer]
-        h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw["o"])
+        h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw["o"], lw["o_b"])
         x = rms_norm(h, lw["post_norm"], self.args.rms_norm_eps)
         return h + F.linear(F.silu(F.linear(x, lw["gate"])) * F.linear(x, lw["up"]), lw["down"])
 
