@@ -66,6 +66,7 @@ class Engine:
         self._counters: dict[str, int] = defaultdict(int)
         self._agents: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._stats_lock = threading.Lock()
+        self.edges: list[tuple[str, str]] = []
         self._worker = threading.Thread(target=self._loop, name="kvcmas-engine", daemon=True)
         self._worker.start()
 
@@ -122,6 +123,25 @@ class Engine:
             self._inbox.put((_ABORT, req))
             raise
 
+    def set_edges(self, edges: Iterable[tuple[str, str]]) -> None:
+        """Register the agent pipeline's edge order (predecessor, successor), e.g. from a LangGraph graph.
+
+        Replaces any earlier registration. Shown in ``stats()["edges"]``; cross-agent reuse uses it to
+        pick each agent's reference view.
+        """
+        clean = []
+        for edge in edges:
+            if not (isinstance(edge, (tuple, list)) and len(edge) == 2 and all(isinstance(a, str) and a for a in edge)):
+                raise InvalidRequestError(f"edges must be (source, target) pairs of agent names, got {edge!r}")
+            clean.append((edge[0], edge[1]))
+        with self._stats_lock:
+            self.edges = clean
+
+    def predecessors(self, agent: str) -> list[str]:
+        """Agents with an edge into ``agent``, in registration order."""
+        with self._stats_lock:
+            return [a for a, b in self.edges if b == agent]
+
     def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
         """Prompt tokens these messages render to (with the generation prompt)."""
         with self._tok_lock:
@@ -149,6 +169,7 @@ class Engine:
             **{k: counters.get(k, 0) for k in ("requests", "completed", "failed", "aborted",
                                                 "prompt_tokens", "completion_tokens", "steps", "max_batch_seqs")},
             "agents": agents,
+            "edges": list(self.edges),
         }
 
     def reset_peak(self) -> None:
@@ -369,7 +390,3 @@ class Engine:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
-
-
-def _iter_agents(stats: dict[str, Any]) -> Iterable[str]:
-    return stats.get("agents", {}).keys()
