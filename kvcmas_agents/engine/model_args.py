@@ -46,6 +46,11 @@ class ModelArgs:
             scaling.pop("rope_theta", None)
             if kind == "default":
                 scaling = None
+        max_pos = cfg.get("max_position_embeddings", 2048)
+        window = cfg.get("sliding_window")
+        if window and cfg.get("use_sliding_window", model_type == "mistral"):
+            # Attention here is full-context; capping the context at the window keeps it exact.
+            max_pos = min(max_pos, int(window))
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return cls(
@@ -59,7 +64,7 @@ class ModelArgs:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2 has q/k/v biases without saying so in its config.
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),

@@ -1,0 +1,320 @@
+"""Scheduler: admission against the block promise, step planning, prefix indexing and release.
+
+Runs the real Scheduler over a tiny KVStore with real Request objects; the "model" is simulated by
+committing each planned item and appending a fake sampled token, as the engine does.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kvcmas_agents.engine.chat import RenderedPrompt, Segment
+from kvcmas_agents.engine.config import EngineConfig, SamplingParams
+from kvcmas_agents.engine.kv_store import KVStore
+from kvcmas_agents.engine.request import Request
+from kvcmas_agents.engine.scheduler import Scheduler, StepItem
+
+BS = 4
+_ids = itertools.count()
+
+
+def make_sched(num_blocks: int = 16, reuse: str = "prefix", max_batch_tokens: int = 64,
+               max_num_seqs: int = 8) -> Scheduler:
+    block_bytes = 2 * 1 * BS * 1 * 2 * 4
+    store = KVStore(1, 1, 2, BS, num_blocks * block_bytes, torch.device("cpu"), torch.float32)
+    assert store.num_blocks == num_blocks
+    cfg = EngineConfig(reuse=reuse, block_size=BS, max_batch_tokens=max_batch_tokens,
+                       max_num_seqs=max_num_seqs, kv_budget_bytes=num_blocks * block_bytes)
+    return Scheduler(cfg, store)
+
+
+def make_req(tokens: list[int], max_new: int = 4, agent: str = "a", prefix_stable: bool = True) -> Request:
+    prompt = RenderedPrompt(token_ids=list(tokens), segments=[Segment(0, len(tokens), "message", "user", 0)],
+                            prefix_stable=prefix_stable, text="")
+    return Request(request_id=f"r{next(_ids)}", agent=agent, prompt=prompt, sampling=SamplingParams(max_tokens=max_new),
+                   max_new_tokens=max_new, detok=None, sink=lambda e: None)
+
+
+def check_invariants(s: Scheduler) -> None:
+    st = s.store.stats()
+    assert s._promised == sum(r.reserved_blocks for r in s.running)
+    assert s._promised <= s.store.num_available
+    assert st.blocks_active == len({b for r in s.running for b in r.blocks})
+    for r in s.running:
+        assert len(r.blocks) + r.reserved_blocks == s.blocks_for(r.max_total_tokens)
+
+
+def step(s: Scheduler, finish_at_max: bool = True) -> list[StepItem]:
+    """One engine step without a model: plan, commit, sample a fake token, retire finished requests."""
+    items = s.schedule()
+    check_invariants(s)
+    sampling = [it.request for it in items if it.samples]
+    for it in items:
+        s.committed(it)
+    for req in sampling:
+        req.output_ids.append(1000 + len(req.output_ids))
+        if finish_at_max and len(req.output_ids) >= req.max_new_tokens:
+            s.finish(req)
+    check_invariants(s)
+    return items
+
+
+def run_until_idle(s: Scheduler, limit: int = 200) -> int:
+    n = 0
+    while s.has_work():
+        step(s)
+        n += 1
+        assert n < limit, "scheduler made no progress"
+    return n
+
+
+# --------------------------------------------------------------------------- admission
+
+
+def test_admission_respects_block_promise_fifo():
+    s = make_sched(num_blocks=8)
+    a = make_req(list(range(10)), max_new=6)          # 16 tokens -> 4 blocks
+    b = make_req(list(range(20, 34)), max_new=6)      # 20 tokens -> 5 blocks: 4 + 5 > 8
+    c = make_req(list(range(40, 42)), max_new=2)      # 1 block: would fit, but FIFO keeps it behind b
+    for r in (a, b, c):
+        s.add(r)
+    s.admit()
+    assert s.running == [a] and list(s.waiting) == [b, c]
+    assert a.reserved_blocks == 4 and s._promised == 4
+    assert b.blocks == [] and b.reserved_blocks == 0 and b.num_computed == 0
+
+    # Nothing is admitted while a holds its promise, even across steps.
+    while a.finish_reason is None and a in s.running:
+        step(s, finish_at_max=False)
+        assert list(s.waiting) == [b, c]
+        if len(a.output_ids) >= a.max_new_tokens:
+            break
+    s.finish(a)
+    s.admit()
+    assert s.running == [b, c] and not s.waiting
+    assert s._promised == 5 + 1
+
+
+def test_request_larger_than_the_store_waits_forever():
+    s = make_sched(num_blocks=4)
+    big = make_req(list(range(14)), max_new=4)        # 18 tokens -> 5 blocks > 4
+    s.add(big)
+    assert s.schedule() == []
+    assert s.running == [] and list(s.waiting) == [big] and s.store.stats().blocks_active == 0
+
+
+def test_max_num_seqs_respected():
+    s = make_sched(num_blocks=32, max_num_seqs=2)
+    reqs = [make_req(list(range(i * 10, i * 10 + 5)), max_new=2) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    items = s.schedule()
+    assert s.running == reqs[:2] and list(s.waiting) == reqs[2:]
+    assert {it.request.request_id for it in items} == {reqs[0].request_id, reqs[1].request_id}
+    run_until_idle(s)
+    assert all(len(r.output_ids) == 2 for r in reqs)
+    assert s.store.stats().blocks_active == 0 and s._promised == 0
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def test_long_prompt_is_chunked_across_steps():
+    s = make_sched(num_blocks=16, max_batch_tokens=8)
+    r = make_req(list(range(20)), max_new=2)
+    s.add(r)
+    sizes = []
+    while r.in_prefill:
+        items = step(s)
+        assert len(items) == 1 and items[0].request is r
+        sizes.append(items[0].num_tokens)
+        # Blocks are allocated lazily, just enough for the tokens computed so far.
+        assert len(r.blocks) == s.blocks_for(r.num_computed)
+    assert sizes == [8, 8, 4]
+    assert r.output_ids == [1000]                      # only the last chunk sampled
+    items = step(s)
+    assert [(it.request, it.num_tokens) for it in items] == [(r, 1)]
+    assert not s.has_work()
+
+
+def test_decodes_first_then_prompt_chunks_under_budget():
+    s = make_sched(num_blocks=32, max_batch_tokens=6)
+    a = make_req(list(range(3)), max_new=5)
+    s.add(a)
+    first = s.schedule()
+    assert [(it.request, it.num_tokens, it.samples) for it in first] == [(a, 3, True)]
+    s.committed(first[0])
+    assert not first[0].samples                        # samples must be read before committing
+    a.output_ids.append(1000)
+    b = make_req(list(range(50, 62)), max_new=2)       # 12-token prompt
+    c = make_req(list(range(70, 74)), max_new=2)
+    s.add(b)
+    s.add(c)
+    items = step(s)
+    # a decodes (1 token), then b takes the rest of the budget; c gets nothing this step.
+    assert [(it.request, it.num_tokens) for it in items] == [(a, 1), (b, 5)]
+    assert [it.samples for it in items] == [True, False]
+    items = step(s)
+    assert [(it.request, it.num_tokens) for it in items] == [(a, 1), (b, 5)]
+    items = step(s)
+    # b finishes its prompt (2 tokens) and c starts (3 of 4) after a's decode.
+    assert [(it.request, it.num_tokens) for it in items] == [(a, 1), (b, 2), (c, 3)]
+    assert sum(it.num_tokens for it in items) <= 6
+    items = step(s)
+    # All three are decoding or finishing c's last prompt token; a reaches max_new and finishes.
+    assert [(it.request, it.num_tokens) for it in items] == [(a, 1), (b, 1), (c, 1)]
+    assert a not in s.running and len(a.output_ids) == 5
+    run_until_idle(s)
+    assert [len(r.output_ids) for r in (a, b, c)] == [5, 2, 2]
+
+
+def test_step_item_samples_only_at_end_of_known_tokens():
+    s = make_sched()
+    r = make_req(list(range(9)), max_new=3)
+    assert not StepItem(r, 4).samples and StepItem(r, 9).samples
+    r.num_computed = 9
+    r.output_ids.append(5)
+    assert StepItem(r, 1).samples
+
+
+# --------------------------------------------------------------------------- prefix reuse
+
+
+PREFIX = list(range(100, 112))                         # 3 full blocks
+
+
+def test_committed_advances_and_indexes_full_blocks():
+    s = make_sched(num_blocks=16, max_batch_tokens=5)
+    r = make_req(PREFIX + [7, 8], max_new=5)
+    s.add(r)
+    step(s)
+    assert r.num_computed == 5 and r.indexed_blocks == 1
+    assert s.prefix.is_cached(r.blocks[0]) and not s.prefix.is_cached(r.blocks[1])
+    step(s)
+    assert r.num_computed == 10 and r.indexed_blocks == 2
+    step(s)
+    assert r.num_computed == 14 and r.indexed_blocks == 3 and r.output_ids == [1000]
+    step(s)                                            # decode of token 14 (the sampled one)
+    assert r.num_computed == 15 and r.indexed_blocks == 3
+    step(s)                                            # token 15 fills block 3 (incl. generated tokens)
+    assert r.num_computed == 16 and r.indexed_blocks == 4
+    assert s.prefix.is_cached(r.blocks[3])
+
+
+def test_same_agent_reuses_prefix_but_runs_at_least_one_token():
+    s = make_sched(num_blocks=16)
+    first = make_req(PREFIX, max_new=2)
+    s.add(first)
+    run_until_idle(s)
+    st = s.store.stats()
+    assert st.blocks_active == 0 and st.blocks_cached >= 3
+    first_blocks = [b for b in range(s.store.num_blocks) if s.prefix.is_cached(b)]
+
+    # Identical prompt: only 2 of 3 blocks can be served, so the last block's tokens still run.
+    same = make_req(PREFIX, max_new=2)
+    s.add(same)
+    items = s.schedule()
+    assert same.cached_tokens == 8 and same.num_computed == 8
+    assert same.cached_tokens < len(same.prompt_ids)
+    assert set(same.blocks[:2]) <= set(first_blocks)
+    assert all(s.prefix.is_cached(b) for b in same.blocks[:2])
+    assert [(it.request, it.num_tokens, it.samples) for it in items] == [(same, 4, True)]
+    for it in items:
+        s.committed(it)
+    s.finish(same)
+
+    # Longer prompt sharing the prefix: all 3 prefix blocks are reused.
+    longer = make_req(PREFIX + [1, 2, 3], max_new=2)
+    s.add(longer)
+    items = s.schedule()
+    assert longer.cached_tokens == 12 and items[0].num_tokens == 3
+    s.finish(longer)
+
+    # Shorter-than-one-block remainder and a prompt diverging inside block 1.
+    diverge = make_req(PREFIX[:6] + [0] * 6, max_new=2)
+    s.add(diverge)
+    s.schedule()
+    assert diverge.cached_tokens == 4
+    s.finish(diverge)
+    assert s.store.stats().blocks_active == 0 and s._promised == 0
+
+
+def test_different_agent_gets_no_hits():
+    s = make_sched(num_blocks=16)
+    s.add(make_req(PREFIX + [1], max_new=2, agent="alice"))
+    run_until_idle(s)
+    bob = make_req(PREFIX + [1], max_new=2, agent="bob")
+    s.add(bob)
+    items = s.schedule()
+    assert bob.cached_tokens == 0 and items[0].num_tokens == 13
+    s.finish(bob)
+    alice = make_req(PREFIX + [1], max_new=2, agent="alice")
+    s.add(alice)
+    s.schedule()
+    assert alice.cached_tokens == 12
+
+
+@pytest.mark.parametrize("reuse,prefix_stable", [("none", True), ("prefix", False)])
+def test_no_reuse_without_prefix_mode_or_stable_template(reuse, prefix_stable):
+    s = make_sched(num_blocks=16, reuse=reuse)
+    s.add(make_req(PREFIX + [1], max_new=2, prefix_stable=prefix_stable))
+    run_until_idle(s)
+    assert s.store.stats().blocks_cached == 0          # nothing indexed, everything freed
+    again = make_req(PREFIX + [1], max_new=2, prefix_stable=prefix_stable)
+    s.add(again)
+    s.schedule()
+    assert again.cached_tokens == 0 and again.num_computed == 0
+
+
+def test_finish_releases_blocks_and_keeps_indexed_ones_cached():
+    s = make_sched(num_blocks=16)
+    reqs = [make_req(PREFIX + [i, i + 1], max_new=3, agent=f"agent{i}") for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    run_until_idle(s)
+    st = s.store.stats()
+    indexed = [b for b in range(s.store.num_blocks) if s.prefix.is_cached(b)]
+    assert st.blocks_active == 0 and s._promised == 0
+    # Each agent: 14 prompt + 2 fed outputs = 16 computed tokens -> 4 full indexed blocks.
+    assert st.blocks_cached == len(indexed) == 12
+    assert s.store.num_available == s.store.num_blocks
+    assert st.kv_bytes == 12 * s.store.block_bytes
+
+
+def test_finish_of_waiting_request_and_reuse_state_reset():
+    s = make_sched(num_blocks=6)
+    s.add(make_req(PREFIX, max_new=2))
+    run_until_idle(s)                                  # 3 prefix blocks cached
+    hog = make_req(list(range(8)), max_new=8)          # 4 blocks: fits (6 available)
+    s.add(hog)
+    s.schedule()
+    assert s.running == [hog]
+    # Matches the 3 cached blocks and needs 2 more, but only 1 block is free beyond hog's promise of 2.
+    late = make_req(PREFIX + [5, 6, 7, 8], max_new=4)
+    s.add(late)
+    s.schedule()
+    assert list(s.waiting) == [late]
+    assert late.blocks == [] and late.num_computed == 0 and late.cached_tokens == 0
+    assert s.store.stats().blocks_active == len(hog.blocks)       # refs taken by the match were dropped
+    s.finish(late)                                     # aborting a waiting request
+    assert not s.waiting
+    s.finish(hog)
+    assert s.store.stats().blocks_active == 0 and s._promised == 0
+
+
+def test_cached_blocks_are_evicted_for_new_work():
+    s = make_sched(num_blocks=6)
+    s.add(make_req(PREFIX, max_new=2, agent="a"))
+    run_until_idle(s)
+    assert s.store.stats().blocks_cached == 3
+    big = make_req(list(range(200, 216)), max_new=8, agent="b")   # 24 tokens -> all 6 blocks
+    s.add(big)
+    run_until_idle(s)
+    assert len(big.output_ids) == 8
+    again = make_req(PREFIX, max_new=2, agent="a")
+    s.add(again)
+    s.schedule()
+    assert again.cached_tokens == 0                      # big needed every block: a's were all evicted
+    assert s.store.stats().peak_blocks == 6
