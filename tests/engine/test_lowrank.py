@@ -1,0 +1,151 @@
+"""Low-rank correction states: SVD reconstruction, Eckart-Young error, byte counts, chaining."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcmas_agents.engine.lowrank import LowRankDelta, apply_to, captured_energy, compose, compress
+
+L, KVH, D = 3, 2, 16
+
+
+def _devs(nrows: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(L, KVH, nrows, D, generator=g, dtype=dtype),
+            torch.randn(L, KVH, nrows, D, generator=g, dtype=dtype))
+
+
+def _dense_all(state: LowRankDelta) -> tuple[torch.Tensor, torch.Tensor]:
+    ks, vs = zip(*(state.dense(layer) for layer in range(state.uk.shape[0])))
+    return torch.stack(ks), torch.stack(vs)
+
+
+@pytest.mark.parametrize("nrows,rank", [(10, 10), (10, 16), (40, 16), (40, 64), (1, 3)])
+def test_full_rank_reconstructs_exactly(nrows, rank):
+    dk, dv = _devs(nrows)
+    rows = torch.randperm(100)[:nrows]
+    state = compress(dk, dv, rows, rank)
+    assert state.rank == min(rank, nrows, D)
+    assert state.uk.shape == (L, KVH, nrows, state.rank) and state.bk.shape == (L, KVH, state.rank, D)
+    assert torch.equal(state.rows, rows)
+    k, v = _dense_all(state)
+    torch.testing.assert_close(k, dk, rtol=0, atol=1e-5)
+    torch.testing.assert_close(v, dv, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 4, 8])
+def test_truncation_error_is_the_discarded_energy(rank):
+    """Eckart-Young: ||D - D_r||_F^2 equals the sum of the discarded squared singular values."""
+    dk, dv = _devs(24, seed=rank)
+    state = compress(dk, dv, torch.arange(24), rank)
+    k, v = _dense_all(state)
+    for approx, exact in ((k, dk), (v, dv)):
+        s2 = torch.linalg.svdvals(exact).pow(2)
+        err = (exact - approx).pow(2).sum(dim=(-2, -1))
+        torch.testing.assert_close(err, s2[..., rank:].sum(-1), rtol=1e-4, atol=1e-4)
+        assert (err > 0).all()
+        # No other rank-r matrix does better than the truncated SVD; a perturbed one is worse.
+        worse = (exact - approx * 1.01).pow(2).sum(dim=(-2, -1))
+        if rank:
+            assert (worse > err).all()
+    energy = captured_energy(dk, rank, reduce=False)
+    s2 = torch.linalg.svdvals(dk).pow(2)
+    torch.testing.assert_close(energy, s2[..., :rank].sum(-1) / s2.sum(-1))
+    overall = captured_energy(dk, rank)
+    assert overall.dim() == 0
+    torch.testing.assert_close(overall, s2[..., :rank].sum() / s2.sum())
+    assert captured_energy(dk, D).item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_low_rank_input_is_recovered_at_its_rank():
+    g = torch.Generator().manual_seed(3)
+    true = torch.randn(L, KVH, 30, 4, generator=g) @ torch.randn(L, KVH, 4, D, generator=g)
+    state = compress(true, true.clone(), torch.arange(30), rank=4)
+    torch.testing.assert_close(_dense_all(state)[0], true, rtol=0, atol=1e-4)
+    assert captured_energy(true, 4).item() == pytest.approx(1.0, abs=1e-6)
+    assert captured_energy(true, 2).item() < 0.999
+
+
+def test_nbytes_is_exact():
+    dk, dv = _devs(12, dtype=torch.float16)
+    state = compress(dk, dv, torch.arange(12), rank=5)
+    assert state.uk.dtype == torch.float16
+    expected = 12 * 8 + 2 * (L * KVH * 12 * 5 * 2) + 2 * (L * KVH * 5 * D * 2)
+    assert state.nbytes == expected
+    wide = compress(dk, dv, torch.arange(12), rank=5, dtype=torch.float32)
+    assert wide.nbytes == 12 * 8 + 2 * (expected - 12 * 8)
+    assert compress(dk, dv, torch.arange(12), rank=0).nbytes == 12 * 8
+
+
+def test_empty_rows_and_zero_rank():
+    dk, dv = _devs(0)
+    state = compress(dk, dv, torch.zeros(0, dtype=torch.long), rank=16)
+    assert state.num_rows == 0 and state.rank == 0
+    assert state.nbytes == 0
+    k_ref, v_ref = torch.randn(7, KVH, D), torch.randn(7, KVH, D)
+    k, v = apply_to(k_ref, v_ref, [state], layer=1)
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+    assert k is not k_ref
+    dk_l, dv_l = state.dense(0)
+    assert dk_l.shape == (KVH, 0, D) and dv_l.shape == (KVH, 0, D)
+    empty = LowRankDelta.empty(L, KVH, D)
+    assert empty.nbytes == 0 and empty.dense(2)[0].shape == (KVH, 0, D)
+    assert torch.equal(captured_energy(dk, 4), torch.tensor(1.0))
+    # Rank 0 over real rows corrects nothing.
+    dk, dv = _devs(5)
+    zero = compress(dk, dv, torch.arange(5), rank=0)
+    assert torch.equal(apply_to(k_ref, v_ref, [zero], 0)[0], k_ref)
+
+
+def test_apply_to_adds_rows_and_leaves_the_rest():
+    dk, dv = _devs(4)
+    rows = torch.tensor([6, 0, 3, 5])
+    state = compress(dk, dv, rows, rank=D)
+    k_ref, v_ref = torch.randn(8, KVH, D), torch.randn(8, KVH, D)
+    for layer in range(L):
+        k, v = apply_to(k_ref, v_ref, [state], layer)
+        torch.testing.assert_close(k[rows], k_ref[rows] + dk[layer].transpose(0, 1), rtol=0, atol=1e-5)
+        torch.testing.assert_close(v[rows], v_ref[rows] + dv[layer].transpose(0, 1), rtol=0, atol=1e-5)
+        untouched = torch.tensor([1, 2, 4, 7])
+        assert torch.equal(k[untouched], k_ref[untouched]) and torch.equal(v[untouched], v_ref[untouched])
+
+
+@pytest.mark.parametrize("rows_b", [[1, 2, 3], [4, 9], [9, 1, 0, 5]])
+def test_compose_equals_sequential_application(rows_b):
+    a = compress(*_devs(4, seed=1), torch.tensor([0, 1, 5, 7]), rank=3)
+    b = compress(*_devs(len(rows_b), seed=2), torch.tensor(rows_b), rank=2)
+    k_ref, v_ref = torch.randn(10, KVH, D), torch.randn(10, KVH, D)
+    both = compose([a, b])
+    assert torch.equal(both.rows, torch.tensor(sorted(set([0, 1, 5, 7] + rows_b))))
+    assert both.rank == a.rank + b.rank
+    for layer in range(L):
+        k1, v1 = apply_to(*apply_to(k_ref, v_ref, [a], layer), [b], layer)
+        kc, vc = apply_to(k_ref, v_ref, [both], layer)
+        kl, vl = apply_to(k_ref, v_ref, [a, b], layer)
+        torch.testing.assert_close(kc, k1, rtol=0, atol=1e-5)
+        torch.testing.assert_close(vc, v1, rtol=0, atol=1e-5)
+        torch.testing.assert_close(kl, k1, rtol=0, atol=1e-5)
+        assert not torch.allclose(k1, apply_to(k_ref, v_ref, [a], layer)[0])
+    # Recompressing at full rank stays exact; a low rank cap is lossy but keeps the union of rows.
+    capped_full = compose([a, b], rank=D)
+    torch.testing.assert_close(apply_to(k_ref, v_ref, [capped_full], 1)[0], apply_to(k_ref, v_ref, [both], 1)[0],
+                               rtol=0, atol=1e-5)
+    capped = compose([a, b], rank=1)
+    assert capped.rank == 1 and torch.equal(capped.rows, both.rows)
+    assert not torch.allclose(apply_to(k_ref, v_ref, [capped], 1)[0], apply_to(k_ref, v_ref, [both], 1)[0],
+                              atol=1e-3)
+
+
+def test_invalid_inputs_raise():
+    dk, dv = _devs(3)
+    with pytest.raises(ValueError, match="unique"):
+        compress(dk, dv, torch.tensor([1, 1, 2]), rank=2)
+    with pytest.raises(ValueError, match="rows"):
+        compress(dk, dv, torch.tensor([1, 2]), rank=2)
+    with pytest.raises(ValueError):
+        compress(dk, dv[:, :, :2], torch.arange(3), rank=2)
+    with pytest.raises(ValueError):
+        LowRankDelta(torch.arange(2), torch.zeros(L, KVH, 3, 1), torch.zeros(L, KVH, 1, D),
+                     torch.zeros(L, KVH, 3, 1), torch.zeros(L, KVH, 1, D))
+    with pytest.raises(ValueError):
+        compose([])
