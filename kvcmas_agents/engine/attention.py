@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from .kv_store import KVStore
+from .realign import Realigner
+from .view_attention import view_attention
 
 
 @dataclass
@@ -16,7 +18,9 @@ class SeqSlice:
     q_start: int
     q_end: int
     context_len: int          # tokens in the KV after this step's tokens are written
-    gather: torch.Tensor      # slot indices of all context_len tokens, in order
+    gather: torch.Tensor | None       # slot indices of all context_len tokens, in order
+    pieces: list | None = None        # view-attention pieces instead of gather (cross-agent reuse)
+    q_positions: torch.Tensor | None = None
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -41,16 +45,22 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
 class PagedAttention:
     """AttentionBackend for one engine step: writes new K/V into their slots, then attends per sequence."""
 
-    def __init__(self, store: KVStore, slices: list[SeqSlice], write_slots: torch.Tensor, scale: float):
+    def __init__(self, store: KVStore, slices: list[SeqSlice], write_slots: torch.Tensor, scale: float,
+                 realigner: Realigner | None = None):
         self.store, self.slices, self.write_slots, self.scale = store, slices, write_slots, scale
+        self.realigner = realigner
+
+    def _one(self, layer: int, s: SeqSlice, q: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.store.k[layer], self.store.v[layer]
+        if s.pieces is not None:
+            return view_attention(q, s.q_positions, s.pieces, kc, vc, layer, self.scale, self.realigner)
+        return sdpa(q, kc[s.gather], vc[s.gather], self.scale)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store.write(layer, self.write_slots, k, v)
-        kc, vc = self.store.k[layer], self.store.v[layer]
         if len(self.slices) == 1:
-            s = self.slices[0]
-            return sdpa(q, kc[s.gather], vc[s.gather], self.scale)
+            return self._one(layer, self.slices[0], q)
         out = torch.empty_like(q)
         for s in self.slices:
-            out[s.q_start:s.q_end] = sdpa(q[s.q_start:s.q_end], kc[s.gather], vc[s.gather], self.scale)
+            out[s.q_start:s.q_end] = self._one(layer, s, q[s.q_start:s.q_end])
         return out

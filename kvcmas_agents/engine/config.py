@@ -4,8 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-ReuseMode = Literal["none", "prefix"]
-REUSE_MODES: tuple[str, ...] = ("none", "prefix")
+ReuseMode = Literal["none", "prefix", "naive", "kvcmas"]
+REUSE_MODES: tuple[str, ...] = ("none", "prefix", "naive", "kvcmas")
+REFERENCES: tuple[str, ...] = ("home", "chain")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -17,7 +18,11 @@ class EngineConfig:
         directory (safetensors + tokenizer), or a path to a ``.gguf`` file.
     device: "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N".
     dtype: None picks bf16 on CUDA and fp32 on CPU; else "float32", "bfloat16", "float16".
-    reuse: "none" prefills every prompt; "prefix" reuses each agent's own exact prefix cache.
+    reuse: "none" prefills every prompt; "prefix" reuses each agent's own exact prefix cache;
+        "naive" reuses other agents' segment KV with RoPE realignment only (the fidelity floor);
+        "kvcmas" adds query-aware selective recompute stored as low-rank corrections.
+    recompute_ratio, rank, reference: KVCMAS knobs (fraction of reused tokens recomputed, SVD rank
+        of each correction, and "home" or "chain" as the reference view).
     kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.
     block_size: tokens per KV block.
     max_batch_tokens: tokens one forward step may process (long prompts are chunked).
@@ -35,14 +40,44 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_context: int | None = None
     cache_dir: str | None = None
+    recompute_ratio: float = 0.3
+    rank: int = 16
+    reference: str = "home"
 
     def __post_init__(self) -> None:
-        if self.reuse not in REUSE_MODES:
-            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
+        ReuseOptions(self.reuse, self.recompute_ratio, self.rank, self.reference).validate()
         if self.block_size <= 0 or self.max_batch_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("block_size, max_batch_tokens and max_num_seqs must be positive")
         if self.kv_budget_bytes <= 0:
             raise ValueError("kv_budget_bytes must be positive")
+
+
+@dataclass
+class ReuseOptions:
+    """Per-request overrides of the engine's reuse knobs (None keeps the engine's setting)."""
+
+    reuse: str | None = None
+    recompute_ratio: float | None = None
+    rank: int | None = None
+    reference: str | None = None
+
+    def validate(self) -> None:
+        if self.reuse is not None and self.reuse not in REUSE_MODES:
+            raise ValueError(f"reuse must be one of {REUSE_MODES}, got {self.reuse!r}")
+        if self.recompute_ratio is not None and not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
+            raise ValueError(f"rank must be a non-negative int, got {self.rank!r}")
+        if self.reference is not None and self.reference not in REFERENCES:
+            raise ValueError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
+
+    def resolve(self, config: "EngineConfig") -> "ReuseOptions":
+        """Fill unset knobs from the engine config."""
+        return ReuseOptions(
+            self.reuse if self.reuse is not None else config.reuse,
+            self.recompute_ratio if self.recompute_ratio is not None else config.recompute_ratio,
+            self.rank if self.rank is not None else config.rank,
+            self.reference if self.reference is not None else config.reference)
 
 
 @dataclass

@@ -18,7 +18,9 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 from .chat import ChatFormatter
-from .config import EngineConfig, SamplingParams
+from .config import EngineConfig, ReuseOptions, SamplingParams
+from .correction import CROSS_AGENT_MODES, Corrector
+from .realign import Realigner, refuses
 from .detokenize import IncrementalDetokenizer
 from .errors import EngineClosedError, EngineError, InvalidRequestError
 from .kv_store import KVStore
@@ -55,7 +57,11 @@ class Engine:
         self.store = KVStore(loaded.args.num_layers, loaded.args.num_kv_heads, loaded.args.head_dim,
                              self.config.block_size, self.config.kv_budget_bytes, self.device, self.model.dtype)
         self.scheduler = Scheduler(self.config, self.store)
-        self.runner = ModelRunner(self.model, self.store)
+        self.realign_refused = refuses(loaded.args.rope_scaling)
+        self.corrector = Corrector(self.model, self.store, self.scheduler.segments,
+                                   Realigner.from_rope(self.model.rope), self.predecessors)
+        self.scheduler.corrector = self.corrector
+        self.runner = ModelRunner(self.model, self.store, self.corrector)
         self.sampler = Sampler()
         self.formatter = ChatFormatter(self.tokenizer, self.max_context)
         self.stop_token_ids = self.formatter.stop_token_ids | set(loaded.args.eos_token_ids)
@@ -67,28 +73,34 @@ class Engine:
         self._agents: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
         self._stats_lock = threading.Lock()
         self.edges: list[tuple[str, str]] = []
+        self._peak_total = 0
         self._worker = threading.Thread(target=self._loop, name="kvcmas-engine", daemon=True)
         self._worker.start()
 
     # --- public API ------------------------------------------------------------------------
     async def generate(self, messages: list[dict], agent: str = "default",
                        sampling: SamplingParams | None = None, tools: list[dict] | None = None,
-                       tool_choice: Any = None, request_id: str | None = None) -> RequestOutput:
-        """Run one chat request to completion and return its output."""
-        async for delta in self.stream(messages, agent, sampling, tools, tool_choice, request_id):
+                       tool_choice: Any = None, request_id: str | None = None,
+                       reuse_options: ReuseOptions | None = None) -> RequestOutput:
+        """Run one chat request to completion and return its output.
+
+        reuse_options overrides the engine's reuse mode / recompute_ratio / rank / reference for this request.
+        """
+        async for delta in self.stream(messages, agent, sampling, tools, tool_choice, request_id, reuse_options):
             if delta.output is not None:
                 return delta.output
         raise EngineError("stream ended without an output")  # unreachable: the worker always finishes
 
     async def stream(self, messages: list[dict], agent: str = "default",
                      sampling: SamplingParams | None = None, tools: list[dict] | None = None,
-                     tool_choice: Any = None, request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+                     tool_choice: Any = None, request_id: str | None = None,
+                     reuse_options: ReuseOptions | None = None) -> AsyncIterator[StreamDelta]:
         """Stream a chat request: text deltas, then a final delta carrying finish_reason and output.
 
         Cancelling the consumer (or leaving the loop early) aborts the request and frees its KV.
         """
         sink = LoopSink(asyncio.get_running_loop())
-        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink)
+        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink, reuse_options)
         self._submit(req)
         done = False
         try:
@@ -107,10 +119,11 @@ class Engine:
 
     def generate_sync(self, messages: list[dict], agent: str = "default",
                       sampling: SamplingParams | None = None, tools: list[dict] | None = None,
-                      tool_choice: Any = None, request_id: str | None = None) -> RequestOutput:
+                      tool_choice: Any = None, request_id: str | None = None,
+                      reuse_options: ReuseOptions | None = None) -> RequestOutput:
         """Blocking ``generate`` for synchronous callers (any thread, no event loop needed)."""
         sink = ThreadSink()
-        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink)
+        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink, reuse_options)
         self._submit(req)
         try:
             while True:
@@ -150,6 +163,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         """A snapshot of KV memory, cache hits and per-agent usage."""
         kv = self.store.stats()
+        seg = self.scheduler.segments.stats()
+        home_bytes = len(self.scheduler.segments.home_blocks) * kv.block_bytes
         with self._stats_lock:
             agents = {a: dict(v) for a, v in self._agents.items()}
             counters = dict(self._counters)
@@ -170,11 +185,21 @@ class Engine:
                                                 "prompt_tokens", "completion_tokens", "steps", "max_batch_seqs")},
             "agents": agents,
             "edges": list(self.edges),
+            "recompute_ratio": self.config.recompute_ratio, "rank": self.config.rank,
+            "reference": self.config.reference,
+            "home_views": seg.homes, "home_view_tokens": seg.home_tokens, "home_view_bytes": home_bytes,
+            "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
+            "correction_bytes_by_agent": seg.by_agent, "home_views_evicted": seg.evicted,
+            "kv_bytes_total": kv.kv_bytes + seg.correction_bytes,
+            "kv_bytes_total_peak": max(self._peak_total, kv.kv_bytes + seg.correction_bytes),
+            "realign_refused": self.realign_refused,
+            "realign_refusals": counters.get("realign_refusals", 0),
         }
 
     def reset_peak(self) -> None:
         """Restart peak KV accounting from the current level (for benchmarks)."""
         self.store.reset_peak()
+        self._peak_total = 0
 
     async def aclose(self) -> None:
         """Stop the worker; pending requests fail with EngineClosedError."""
@@ -193,23 +218,32 @@ class Engine:
 
     # --- request intake (caller thread) ------------------------------------------------------
     def _make_request(self, messages: Any, agent: str, sampling: SamplingParams | None,
-                      tools: list[dict] | None, tool_choice: Any, request_id: str | None, sink: Any) -> Request:
+                      tools: list[dict] | None, tool_choice: Any, request_id: str | None, sink: Any,
+                      reuse_options: ReuseOptions | None = None) -> Request:
         if self._closed:
             raise EngineClosedError("engine is closed")
         if not isinstance(agent, str) or not agent:
             raise InvalidRequestError("agent must be a non-empty string")
         sampling = sampling or SamplingParams()
+        options = reuse_options or ReuseOptions()
         try:
             sampling.validate()
+            options.validate()
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from exc
+        options = options.resolve(self.config)
+        if options.reuse in CROSS_AGENT_MODES and self.realign_refused:
+            options.reuse = "prefix"       # cannot realign this rope scaling; counted in stats
+            with self._stats_lock:
+                self._counters["realign_refusals"] += 1
         with self._tok_lock:
             prompt = self.formatter.render(messages, tools, tool_choice=tool_choice)
             detok = IncrementalDetokenizer(self.tokenizer, sampling.stop, prompt.token_ids)
         max_new = min(sampling.max_tokens, self.max_context - len(prompt.token_ids))
         req = Request(request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", agent=agent,
                       prompt=prompt, sampling=sampling, max_new_tokens=max_new, detok=detok, sink=sink,
-                      generator=make_generator(sampling.seed, self.device) if sampling.temperature > 0 else None)
+                      generator=make_generator(sampling.seed, self.device) if sampling.temperature > 0 else None,
+                      options=options)
         if tools:
             req.tool_names = {t.get("function", t).get("name") for t in tools if isinstance(t, dict)}
         need = self.scheduler.blocks_for(req.max_total_tokens)
@@ -235,8 +269,10 @@ class Engine:
                 if not self._drain_inbox(block=not self.scheduler.has_work()):
                     break
                 items = self.scheduler.schedule()
+                self._correct_pending()
                 if items:
                     self._step(items)
+                self._track_peak()
             except Exception as exc:     # a bug outside any one request: fail everything in flight
                 for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._fail(req, EngineError(f"engine step failed: {exc!r}"))
@@ -262,6 +298,21 @@ class Engine:
             except queue.Empty:
                 return True
 
+    def _correct_pending(self) -> None:
+        """Run KVCMAS corrections for requests whose own prefix is computed (one request at a time)."""
+        for req in list(self.scheduler.running):
+            if req.finish_reason is None and req.needs_correction:
+                try:
+                    self.scheduler.ensure_blocks(req, len(req.prompt_ids))
+                    self.corrector.correct(req)
+                except Exception as exc:
+                    self._fail(req, EngineError(f"correction failed for {req.request_id}: {exc!r}"))
+
+    def _track_peak(self) -> None:
+        total = self.store.stats().kv_bytes + self.scheduler.segments.correction_bytes
+        if total > self._peak_total:
+            self._peak_total = total
+
     def _step(self, items: list[StepItem]) -> None:
         try:
             logits = self.runner.run(items)
@@ -281,6 +332,9 @@ class Engine:
             sampling = [it.request for it in group if it.samples]   # decided before committing
             for item in group:
                 self.scheduler.committed(item)
+                req = item.request
+                if req.options.reuse in CROSS_AGENT_MODES and not req.registered and not req.in_prefill:
+                    self.corrector.register_homes(req)
             if sampling:
                 self._sample(sampling, logits)
 
@@ -366,7 +420,7 @@ class Engine:
             tool_calls=parsed.tool_calls if parsed else [],
             invalid_tool_calls=parsed.invalid_tool_calls if parsed else [],
             stop_reason=req.stop_reason,
-            reuse=self.config.reuse if req.prompt.prefix_stable else "none",
+            reuse=req.options.reuse if req.prompt.prefix_stable else "none",
             prefix_stable=req.prompt.prefix_stable,
             logits=req.logits if req.sampling.return_logits else None)
 

@@ -8,8 +8,27 @@ from typing import Any, Callable
 import torch
 
 from .chat import RenderedPrompt
-from .config import SamplingParams
+from .config import ReuseOptions, SamplingParams
 from .detokenize import IncrementalDetokenizer
+from .lowrank import LowRankDelta
+from .segments import HomeView
+
+
+@dataclass
+class ReusePiece:
+    """A prompt span [start, end) served by a home view instead of this request's own prefill."""
+
+    home: HomeView
+    start: int
+    end: int
+    context: int
+    chain: list[LowRankDelta] = field(default_factory=list)   # corrections applied on the realigned home
+    exact: bool = False                                       # the request's own exact view: no correction
+    pending: bool = False                                     # a correction must be computed first
+
+    @property
+    def delta(self) -> int:
+        return self.start - self.home.start
 
 
 @dataclass
@@ -35,6 +54,11 @@ class Request:
     recomputed_tokens: int = 0
     indexed_blocks: int = 0                # leading blocks already in the prefix index
     index_parent: int = 0                  # chained hash after the indexed blocks
+    options: ReuseOptions = field(default_factory=ReuseOptions)   # resolved reuse knobs
+    pieces: list[ReusePiece] = field(default_factory=list)
+    own_prefix_end: int = 0                # own prefill [0, own_prefix_end), then pieces, then own tail
+    reuse_end: int = 0                     # first position after the reused pieces
+    registered: bool = False               # home views of its own segments registered
     finish_reason: str | None = None
     stop_reason: str | None = None
     aborted: bool = False
@@ -58,3 +82,12 @@ class Request:
     @property
     def in_prefill(self) -> bool:
         return self.num_computed < len(self.prompt.token_ids)
+
+    @property
+    def needs_correction(self) -> bool:
+        """Its own prefix is computed and the reused pieces are not yet usable."""
+        return (self.reuse_end > self.num_computed >= self.own_prefix_end)
+
+    def is_hole(self, start: int, end: int) -> bool:
+        """True when positions [start, end) all lie in reused pieces (no own KV needed there)."""
+        return self.own_prefix_end <= start and end <= self.reuse_end

@@ -4,15 +4,17 @@ from __future__ import annotations
 import torch
 
 from .attention import PagedAttention, SeqSlice
+from .correction import Corrector
 from .kv_store import KVStore
 from .model import LlamaModel
 from .scheduler import StepItem
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, store: KVStore):
+    def __init__(self, model: LlamaModel, store: KVStore, corrector: Corrector | None = None):
         self.model = model
         self.store = store
+        self.corrector = corrector
 
     @torch.inference_mode()
     def run(self, items: list[StepItem]) -> torch.Tensor:
@@ -27,12 +29,17 @@ class ModelRunner:
             tokens.extend(req.all_ids[start:start + n])
             positions.append(torch.arange(start, start + n))
             write.append(self.store.slots(req.blocks, start, start + n))
-            gather = self.store.slots(req.blocks, 0, start + n)
-            slices.append(SeqSlice(offset, offset + n, start + n, gather))
+            if req.pieces and self.corrector is not None:
+                pieces = self.corrector.pieces_for(req, start + n)
+                slices.append(SeqSlice(offset, offset + n, start + n, None, pieces, positions[-1].to(dev)))
+            else:
+                gather = self.store.slots(req.blocks, 0, start + n)
+                slices.append(SeqSlice(offset, offset + n, start + n, gather))
             offset += n
             if item.samples:
                 rows.append(offset - 1)
-        attn = PagedAttention(self.store, slices, torch.cat(write), self.model.scale)
+        attn = PagedAttention(self.store, slices, torch.cat(write), self.model.scale,
+                              self.corrector.realigner if self.corrector is not None else None)
         hidden = self.model.forward(torch.tensor(tokens, device=dev), torch.cat(positions).to(dev), attn)
         if not rows:
             return hidden.new_empty((0, self.model.args.vocab_size), dtype=torch.float32)

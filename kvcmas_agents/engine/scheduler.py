@@ -13,6 +13,7 @@ from .config import EngineConfig
 from .kv_store import KVStore
 from .prefix_cache import PrefixCache
 from .request import Request
+from .segments import SegmentStore
 
 
 @dataclass
@@ -31,6 +32,9 @@ class Scheduler:
         self.config = config
         self.store = store
         self.prefix = PrefixCache(store)
+        self.segments = SegmentStore(store)
+        self.segments.is_cached = self.prefix.is_cached
+        self.corrector = None          # set by the engine for cross-agent modes (naive, kvcmas)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._promised = 0           # reserved-but-unallocated blocks over running requests
@@ -40,6 +44,8 @@ class Scheduler:
         return -(-num_tokens // self.store.block_size)
 
     def add(self, req: Request) -> None:
+        if req.options.reuse is None:
+            req.options = req.options.resolve(self.config)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -50,19 +56,31 @@ class Scheduler:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             self._find_reusable(req)
-            need = self.blocks_for(req.max_total_tokens) - len(req.blocks)
+            need = self._own_blocks(req, req.max_total_tokens) - len(req.blocks)
+            while need > self.store.num_available - self._promised and self.segments.evict_one():
+                pass
             if need > self.store.num_available - self._promised:
                 self._release(req)
-                req.num_computed = req.cached_tokens = 0
+                req.num_computed = req.cached_tokens = req.reused_tokens = 0
                 return
             self.waiting.popleft()
             req.reserved_blocks = need
             self._promised += need
             self.running.append(req)
 
+    def _own_blocks(self, req: Request, num_tokens: int) -> int:
+        """Blocks a request must own to hold num_tokens (reused spans need none)."""
+        bs = self.store.block_size
+        return sum(1 for i in range(self.blocks_for(num_tokens)) if not req.is_hole(i * bs, (i + 1) * bs))
+
     def _find_reusable(self, req: Request) -> None:
         """The reuse seam: give the request KV it need not compute, before its prefill."""
-        if self.config.reuse != "prefix" or not req.prompt.prefix_stable:
+        if not req.prompt.prefix_stable:
+            return
+        if req.options.reuse in ("naive", "kvcmas") and self.corrector is not None:
+            self.corrector.plan(req)
+            return
+        if req.options.reuse != "prefix":
             return
         # Leave at least one prompt token to run, so the step produces logits.
         blocks, parent = self.prefix.match(req.agent, req.prompt_ids, len(req.prompt_ids) - 1)
@@ -80,8 +98,11 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         for b in req.blocks:
-            self.store.decref(b, cached=self.prefix.is_cached(b))
+            if b >= 0:
+                self.store.decref(b, cached=self.prefix.is_cached(b))
         req.blocks = []
+        if self.corrector is not None:
+            self.corrector.release(req)
         self._promised -= req.reserved_blocks
         req.reserved_blocks = 0
 
@@ -96,16 +117,22 @@ class Scheduler:
                 items.append(StepItem(req, 1))
                 budget -= 1
         for req in self.running:
-            if req.in_prefill and budget > 0:
-                n = min(len(req.prompt_ids) - req.num_computed, budget)
+            if req.in_prefill and budget > 0 and not req.needs_correction:
+                end = req.own_prefix_end if req.num_computed < req.own_prefix_end else len(req.prompt_ids)
+                n = min(end - req.num_computed, budget)
                 items.append(StepItem(req, n))
                 budget -= n
         for item in items:
-            self._ensure_blocks(item.request, item.request.num_computed + item.num_tokens)
+            self.ensure_blocks(item.request, item.request.num_computed + item.num_tokens)
         return items
 
-    def _ensure_blocks(self, req: Request, num_tokens: int) -> None:
+    def ensure_blocks(self, req: Request, num_tokens: int) -> None:
+        bs = self.store.block_size
         while len(req.blocks) < self.blocks_for(num_tokens):
+            i = len(req.blocks)
+            if req.is_hole(i * bs, (i + 1) * bs):
+                req.blocks.append(-1)          # wholly inside a reused span: no own KV there
+                continue
             req.blocks.append(self.store.allocate())
             req.reserved_blocks -= 1
             self._promised -= 1
@@ -114,7 +141,7 @@ class Scheduler:
         """Record that the step's tokens now have KV; index newly full blocks."""
         req = item.request
         req.num_computed += item.num_tokens
-        if self.config.reuse != "prefix" or not req.prompt.prefix_stable:
+        if req.options.reuse != "prefix" or not req.prompt.prefix_stable:
             return
         full = req.num_computed // self.store.block_size
         if full > req.indexed_blocks:

@@ -1,0 +1,228 @@
+"""KVCMAS cross-agent reuse: plan which prompt spans reuse home views, and correct them.
+
+Per request of agent X (DESIGN.md, "The algorithm"):
+  plan   - split the prompt into [own prefix] + [segments found in the segment store] + [own tail];
+           a segment X itself computed at the same place is reused exactly, others need X's correction
+           unless X already holds one (corrections persist across turns).
+  select - run the tail over the realigned reference views and rank reused tokens by the attention
+           mass the tail puts on them (summed over layers and heads); keep the top recompute_ratio.
+  recompute - run the selected tokens layer by layer under X's own context; their deviation from the
+           reference view is stored as a rank-r truncated SVD per layer and KV head.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .kv_store import KVStore
+from .lowrank import LowRankDelta, apply_to, compress
+from .model import LlamaModel
+from .realign import Realigner
+from .request import Request, ReusePiece
+from .segments import Correction, SegmentStore, context_key
+from .view_attention import OwnPiece, SegmentPiece, view_attention
+
+CROSS_AGENT_MODES = ("naive", "kvcmas")
+
+
+class Corrector:
+    def __init__(self, model: LlamaModel, store: KVStore, segments: SegmentStore, realigner: Realigner,
+                 predecessors: Callable[[str], list[str]]):
+        self.model, self.store, self.segments = model, store, segments
+        self.realigner = realigner
+        self.predecessors = predecessors
+
+    # --- planning (at admission) ---------------------------------------------------------------
+    def plan(self, req: Request) -> None:
+        ids, agent = req.prompt_ids, req.agent
+        segs = [s for s in req.prompt.segments if s.kind != "suffix" and s.length > 0]
+        pieces: list[ReusePiece] = []
+        own_prefix_end = 0
+        for i, seg in enumerate(segs):
+            tokens = tuple(ids[seg.start:seg.end])
+            home = self.segments.lookup(tokens)
+            if home is None:
+                if i == 0:
+                    own_prefix_end = seg.end       # e.g. this agent's new system prompt
+                    continue
+                break
+            ctx = context_key(agent, ids, seg.start)
+            piece = ReusePiece(home, seg.start, seg.end, ctx)
+            if piece.delta == 0 and (seg.start == 0 or (home.agent == agent and home.context == ctx)):
+                piece.exact = True                 # same tokens under the same view: KV is identical
+            elif req.options.reuse == "kvcmas":
+                corr = self.segments.correction(agent, tokens, seg.start, ctx)
+                if corr is not None:
+                    piece.chain = list(corr.chain)
+                else:
+                    piece.pending = True
+            pieces.append(piece)
+        if pieces and pieces[-1].end >= len(ids):
+            pieces.pop()                           # keep at least one token to prefill for logits
+        req.pieces = pieces
+        req.own_prefix_end = own_prefix_end
+        req.reuse_end = pieces[-1].end if pieces else own_prefix_end
+        for p in pieces:
+            self.segments.pin(p.home)
+        req.cached_tokens = sum(p.end - p.start for p in pieces if p.exact)
+        req.reused_tokens = sum(p.end - p.start for p in pieces if not p.exact)
+
+    def release(self, req: Request) -> None:
+        for p in req.pieces:
+            self.segments.unpin(p.home)
+        req.pieces = []
+
+    def register_homes(self, req: Request) -> None:
+        """After the prompt is computed: its own (non-reused) segments become home views."""
+        req.registered = True
+        ids = req.prompt_ids
+        for seg in req.prompt.segments:
+            if seg.kind == "suffix" or seg.length == 0:
+                continue
+            if req.own_prefix_end <= seg.start and seg.end <= req.reuse_end:
+                continue                           # served by a piece
+            if seg.start < req.reuse_end and seg.end > req.own_prefix_end:
+                continue                           # straddles a reused span
+            self.segments.register(tuple(ids[seg.start:seg.end]), req.agent, seg.start,
+                                   context_key(req.agent, ids, seg.start), req.blocks)
+
+    # --- attention layout ------------------------------------------------------------------------
+    def pieces_for(self, req: Request, end: int) -> list:
+        """The view-attention pieces of a request's context [0, end)."""
+        out: list = []
+        a, b = req.own_prefix_end, req.reuse_end
+        if a > 0:
+            out.append(self._own(req, 0, min(a, end)))
+        for p in req.pieces:
+            out.append(SegmentPiece(p.home.slots, torch.arange(p.start, p.end, device=self.model.device),
+                                    p.delta, p.chain))
+        if end > b:
+            out.append(self._own(req, b, end))
+        return out
+
+    def _own(self, req: Request, start: int, end: int) -> OwnPiece:
+        return OwnPiece(self.store.slots(req.blocks, start, end), torch.arange(start, end, device=self.model.device))
+
+    # --- correction (in the worker, once the own prefix is computed) -------------------------------
+    @torch.inference_mode()
+    def correct(self, req: Request) -> None:
+        pending = [p for p in req.pieces if p.pending]
+        if pending:
+            for p in pending:
+                p.chain = self._reference_chain(req, p)
+            rows = self._select(req, pending)
+            self._recompute(req, pending, rows)
+        req.num_computed = req.reuse_end
+
+    def _reference_chain(self, req: Request, piece: ReusePiece) -> list[LowRankDelta]:
+        if req.options.reference != "chain":
+            return []
+        for pred in self.predecessors(req.agent):
+            for corr in self.segments.corrections_of(pred, piece.home.key):
+                shift = piece.start - corr.start
+                return [self.realigner.rotate_delta(d, shift) for d in corr.chain]
+        return []
+
+    def _select(self, req: Request, pending: list[ReusePiece]) -> list[torch.Tensor]:
+        """Rows (local to each pending piece) to recompute, ranked by the tail's attention mass."""
+        total = sum(p.end - p.start for p in pending)
+        k = round(req.options.recompute_ratio * total)
+        if k >= total:
+            return [torch.arange(p.end - p.start) for p in pending]
+        if k == 0:
+            return [torch.arange(0) for _ in pending]
+        b, n = req.reuse_end, len(req.prompt_ids)
+        pieces = self.pieces_for(req, n)
+        track = [i for i, pc in enumerate(pieces) if isinstance(pc, SegmentPiece)
+                 and any(pc.positions[0].item() == p.start for p in pending)]
+        backend = _MassBackend(self, pieces, self.store.slots(req.blocks, b, n),
+                               torch.arange(b, n, device=self.model.device), track)
+        ids = torch.tensor(req.prompt_ids[b:n], device=self.model.device)
+        self.model.forward(ids, torch.arange(b, n, device=self.model.device), backend)
+        mass = torch.cat(backend.mass)
+        top = torch.topk(mass, k).indices.sort().values
+        out, offset = [], 0
+        for p in pending:
+            size = p.end - p.start
+            sel = top[(top >= offset) & (top < offset + size)] - offset
+            out.append(sel.cpu())
+            offset += size
+        return out
+
+    def _recompute(self, req: Request, pending: list[ReusePiece], rows: list[torch.Tensor]) -> None:
+        m, dev = self.model, self.model.device
+        ids = req.prompt_ids
+        sel_pos = torch.cat([p.start + r for p, r in zip(pending, rows)]).to(dev)
+        if sel_pos.numel() == 0:
+            for p in pending:
+                self._store(req, p, LowRankDelta.empty(m.args.num_layers, m.args.num_kv_heads, m.args.head_dim,
+                                                        m.dtype, dev), 0)
+            return
+        h = m.embed(torch.tensor(ids, device=dev)[sel_pos])
+        a = req.own_prefix_end
+        L = m.args.num_layers
+        dks = [[] for _ in pending]
+        dvs = [[] for _ in pending]
+        for layer in range(L):
+            q, k_new, v_new = m.qkv(layer, h, sel_pos)
+            keys, values, key_pos = [], [], []
+            if a > 0:
+                slots = self.store.slots(req.blocks, 0, a)
+                keys.append(self.store.k[layer][slots]); values.append(self.store.v[layer][slots])
+                key_pos.append(torch.arange(0, a, device=dev))
+            offset = 0
+            for p in req.pieces:
+                kr = self.realigner.rotate_keys(self.store.k[layer][p.home.slots], p.delta)
+                vr = self.store.v[layer][p.home.slots]
+                if p.chain:
+                    kr, vr = apply_to(kr, vr, p.chain, layer)
+                if p.pending:
+                    j = pending.index(p)
+                    r = rows[j].to(dev)
+                    cnt = r.numel()
+                    kn, vn = k_new[offset:offset + cnt], v_new[offset:offset + cnt]
+                    dks[j].append((kn - kr[r]).permute(1, 0, 2))
+                    dvs[j].append((vn - vr[r]).permute(1, 0, 2))
+                    kr, vr = kr.clone(), vr.clone()
+                    kr[r], vr[r] = kn, vn
+                    offset += cnt
+                keys.append(kr); values.append(vr)
+                key_pos.append(torch.arange(p.start, p.end, device=dev))
+            kk, vv, kp = torch.cat(keys), torch.cat(values), torch.cat(key_pos)
+            mask = kp.unsqueeze(0) <= sel_pos.unsqueeze(1)
+            attn = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
+                                                  attn_mask=mask, scale=m.scale, enable_gqa=True).transpose(0, 1)
+            h = m.finish_layer(layer, h, attn)
+        full = req.options.recompute_ratio >= 1.0
+        for j, p in enumerate(pending):
+            dk, dv = torch.stack(dks[j]), torch.stack(dvs[j])        # [L, KVH, R, D]
+            rank = m.args.head_dim if full else req.options.rank     # ratio 1.0 keeps the exact deviation
+            self._store(req, p, compress(dk, dv, rows[j].to(dev), rank), rows[j].numel())
+
+    def _store(self, req: Request, p: ReusePiece, own: LowRankDelta, recomputed: int) -> None:
+        ref = "home" if not p.chain else "chain"
+        p.chain = p.chain + [own]
+        p.pending = False
+        req.recomputed_tokens += recomputed
+        self.segments.add_correction(p.home.key, p.context, Correction(
+            req.agent, p.start, list(p.chain), own, ref, recomputed))
+
+
+class _MassBackend:
+    """Attention for the selection pass: writes the tail's KV and sums mass on tracked pieces."""
+
+    def __init__(self, corr: Corrector, pieces: list, write_slots: torch.Tensor, q_positions: torch.Tensor,
+                 track: list[int]):
+        self.c, self.pieces, self.write_slots, self.q_positions, self.track = corr, pieces, write_slots, q_positions, track
+        self.mass = [torch.zeros(len(pieces[i].slots), device=q_positions.device) for i in track]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        store = self.c.store
+        store.write(layer, self.write_slots, k, v)
+        out, masses = view_attention(q, self.q_positions, self.pieces, store.k[layer], store.v[layer], layer,
+                                     self.c.model.scale, self.c.realigner, return_mass=True)
+        for acc, i in zip(self.mass, self.track):
+            acc += masses[i].to(acc.dtype)
+        return out

@@ -1,0 +1,137 @@
+"""Segment store for cross-agent reuse: one exact home view per message segment, plus each agent's
+low-rank corrections of the segments it reuses.
+
+A home view is the KV of a segment's tokens in the context where it was first computed. It owns
+references to the KV blocks holding it (no copy). Corrections are keyed by (agent, segment, start
+position, context), so an agent never re-corrects a segment it already holds a correction for.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .kv_store import KVStore
+from .lowrank import LowRankDelta
+
+
+def context_key(agent: str, token_ids: list[int], end: int) -> int:
+    """Identity of what precedes a segment: the agent (its view) and the tokens before it."""
+    return hash((agent, tuple(token_ids[:end])))
+
+
+@dataclass
+class HomeView:
+    key: tuple[int, ...]        # the segment's tokens
+    agent: str                  # whose context computed it
+    start: int                  # its first position there
+    context: int                # context_key of that computation
+    slots: torch.Tensor         # KV slots of its tokens, in order
+    blocks: list[int]           # blocks holding those slots (referenced by the store)
+    users: int = 0              # running requests reading it (pinned while > 0)
+
+
+@dataclass
+class Correction:
+    """An agent's correction of one segment at one position: its reference chain plus its own delta."""
+
+    agent: str
+    start: int
+    chain: list[LowRankDelta]   # reference chain first, this agent's own delta last
+    own: LowRankDelta
+    reference: str              # "home" or "chain:<predecessor>"
+    recomputed: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.own.nbytes
+
+
+@dataclass
+class SegmentStats:
+    homes: int = 0
+    home_tokens: int = 0
+    corrections: int = 0
+    correction_bytes: int = 0
+    evicted: int = 0
+    by_agent: dict[str, int] = field(default_factory=dict)
+
+
+class SegmentStore:
+    def __init__(self, store: KVStore):
+        self.store = store
+        self._homes: OrderedDict[tuple[int, ...], HomeView] = OrderedDict()
+        self._corrections: dict[tuple[str, tuple[int, ...], int, int], Correction] = {}
+        self.evicted = 0
+        self.is_cached: Callable[[int], bool] = lambda block: False   # prefix-cache membership
+
+    def lookup(self, tokens: tuple[int, ...]) -> HomeView | None:
+        home = self._homes.get(tokens)
+        if home is not None:
+            self._homes.move_to_end(tokens)
+        return home
+
+    def register(self, tokens: tuple[int, ...], agent: str, start: int, context: int,
+                 blocks: list[int]) -> HomeView | None:
+        """Keep the KV at positions [start, start + len) of a sequence with these blocks as a home view."""
+        if not tokens or tokens in self._homes:
+            return None
+        slots = self.store.slots(blocks, start, start + len(tokens))
+        bs = self.store.block_size
+        held = sorted({blocks[p // bs] for p in range(start, start + len(tokens))})
+        for b in held:
+            self.store.incref(b)
+        home = HomeView(tokens, agent, start, context, slots, held)
+        self._homes[tokens] = home
+        return home
+
+    def correction(self, agent: str, tokens: tuple[int, ...], start: int, context: int) -> Correction | None:
+        return self._corrections.get((agent, tokens, start, context))
+
+    def add_correction(self, tokens: tuple[int, ...], context: int, corr: Correction) -> None:
+        self._corrections[(corr.agent, tokens, corr.start, context)] = corr
+
+    def corrections_of(self, agent: str, tokens: tuple[int, ...]) -> list[Correction]:
+        return [c for (a, t, _, _), c in self._corrections.items() if a == agent and t == tokens]
+
+    def pin(self, home: HomeView) -> None:
+        home.users += 1
+
+    def unpin(self, home: HomeView) -> None:
+        home.users -= 1
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used unpinned home view (and its corrections) to free blocks."""
+        for key, home in self._homes.items():
+            if home.users == 0:
+                del self._homes[key]
+                for b in home.blocks:
+                    self.store.decref(b, cached=self.is_cached(b))
+                for ck in [ck for ck in self._corrections if ck[1] == key]:
+                    del self._corrections[ck]
+                self.evicted += 1
+                return True
+        return False
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
+
+    def stats(self) -> SegmentStats:
+        s = SegmentStats(homes=len(self._homes), home_tokens=sum(len(k) for k in self._homes),
+                         corrections=len(self._corrections),
+                         correction_bytes=sum(c.nbytes for c in self._corrections.values()),
+                         evicted=self.evicted)
+        for c in self._corrections.values():
+            s.by_agent[c.agent] = s.by_agent.get(c.agent, 0) + c.nbytes
+        return s
+
+    @property
+    def correction_bytes(self) -> int:
+        return sum(c.nbytes for c in self._corrections.values())
+
+    @property
+    def home_blocks(self) -> set[int]:
+        return {b for h in self._homes.values() for b in h.blocks}
