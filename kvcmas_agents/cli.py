@@ -16,6 +16,8 @@ from .engine.loader import ensure_safetensors
 
 
 class Command(NamedTuple):
+    """A subcommand: one-line help, a function adding its options, and the function running it."""
+
     help: str
     add_args: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
@@ -23,7 +25,8 @@ class Command(NamedTuple):
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local checkpoint dir or .gguf (default: SmolLM2-135M)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    parser.add_argument("--device", type=demo.device_arg, default="auto",
+                        help="auto, cpu, cuda, cuda:N (default auto)")
 
 
 # --- chat -------------------------------------------------------------------------------------
@@ -56,6 +59,7 @@ async def _chat(engine: Engine, args: argparse.Namespace) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    """``kvcmas chat``: one request; the reply on stdout, a TTFT/tokens line on stderr."""
     engine = Engine(EngineConfig(model=args.model, device=args.device))
     try:
         asyncio.run(_chat(engine, args))
@@ -66,6 +70,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
 # --- info -------------------------------------------------------------------------------------
 def run_info(args: argparse.Namespace) -> int:
+    """``kvcmas info``: load the model and print what the engine was built with."""
     engine = Engine(EngineConfig(model=args.model, device=args.device))
     try:
         _, path = ensure_safetensors(engine.config.model, engine.config.cache_dir)

@@ -1,10 +1,10 @@
 """A small multi-agent coding pipeline (planner -> coder -> reviewer -> tester) on one shared Engine.
 
-Every agent sees one shared, growing conversation: its own system prompt, the task, then all earlier
-replies in order. The agent's own earlier replies appear as ``assistant`` messages and everyone else's
-as ``user`` messages prefixed with ``[name]``. Nothing is ever inserted before or rewritten, so each
-agent's next prompt extends its previous prompt plus its own reply, and the per-agent prefix cache
-serves that part again from round 2 on.
+Every agent sees one shared, growing conversation: its own system prompt, the task, then the history.
+Before each turn a moderator message (a plain ``user`` message) hands the turn to the next agent.
+An agent's own earlier replies appear as ``assistant`` messages and everyone else's as ``user``
+messages headed ``[name]``. The history is only ever appended to, so each agent's next prompt extends
+its previous prompt plus its own reply, and the per-agent prefix cache serves that part from round 2 on.
 """
 from __future__ import annotations
 
@@ -12,49 +12,94 @@ import argparse
 import asyncio
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
-from .engine import Engine, EngineConfig, SamplingParams
+import torch
+
+from .engine import Engine, EngineConfig, InvalidRequestError, ModelNotFoundError, SamplingParams
 from .engine.config import REUSE_MODES
 
-AGENTS: dict[str, str] = {
-    "planner": ("You are the planner in a small software team. Break the task into at most three short "
-                "numbered steps. Do not write code. If the reviewer or tester gave feedback, update the plan."),
-    "coder": ("You are the coder in a small software team. Write one short Python function that solves the "
-              "task, following the plan and any review feedback. Reply with only a code block."),
-    "reviewer": ("You are the code reviewer in a small software team. In one or two sentences, point out the "
-                 "most important bug or improvement in the coder's latest code."),
-    "tester": ("You are the tester in a small software team. Write two or three short assert statements "
-               "that test the coder's latest function. Reply with only a code block."),
+
+@dataclass(frozen=True)
+class Role:
+    """One agent: its system prompt, the hand-off message that gives it the turn, and stop strings."""
+
+    system: str
+    handoff: str
+    revise: str              # hand-off used from round 2 on
+    stop: tuple[str, ...] = ()
+
+
+AGENTS: dict[str, Role] = {
+    "planner": Role(
+        "You are the planner in a small software team. You write short plans in plain English, never code.",
+        "planner: how should the coder solve this? Answer in plain English, two sentences.",
+        "planner: given the review and the tests, what should the coder change? Answer in plain English, "
+        "two sentences.",
+        stop=("\n\n",)),
+    "coder": Role(
+        "You are the coder in a small software team. You write short, correct Python.",
+        "coder: write the Python function, following the plan. Reply with only a ```python code block.",
+        "coder: write the updated Python function. Reply with only a ```python code block.",
+        stop=("\n```",)),
+    "reviewer": Role(
+        "You are the code reviewer in a small software team. You are brief and specific.",
+        "reviewer: in one or two sentences, name the most important problem in the coder's latest code.",
+        "reviewer: in one or two sentences, say whether the coder's new code fixes the problems.",
+        stop=("\n\n",)),
+    "tester": Role(
+        "You are the tester in a small software team. You think about edge cases.",
+        "tester: what edge cases should the coder's function handle? Name three, one short sentence each.",
+        "tester: which edge cases does the coder's new function still miss? Name up to three, one short "
+        "sentence each."),
 }
 ORDER: tuple[str, ...] = tuple(AGENTS)
+MODERATOR = "moderator"
 DEFAULT_TASK = ("Write a Python function is_palindrome(s: str) -> bool that ignores case "
                 "and non-alphanumeric characters.")
 
-History = list[tuple[str, str]]          # (agent, reply text), in conversation order
+History = list[tuple[str, str]]          # (speaker, text) in conversation order
 TurnCallback = Callable[[dict[str, Any]], None]
 
 
 def build_messages(agent: str, task: str, history: History) -> list[dict[str, str]]:
     """The prompt one agent sees: its system prompt, the task, then the shared history."""
-    messages = [{"role": "system", "content": AGENTS[agent]}, {"role": "user", "content": f"Task: {task}"}]
-    for name, text in history:
-        if name == agent:
+    messages = [{"role": "system", "content": AGENTS[agent].system},
+                {"role": "user", "content": f"Task: {task}"}]
+    for speaker, text in history:
+        if speaker == agent:
             messages.append({"role": "assistant", "content": text})
+        elif speaker == MODERATOR:
+            messages.append({"role": "user", "content": text})
         else:
-            messages.append({"role": "user", "content": f"[{name}] {text}"})
+            messages.append({"role": "user", "content": f"[{speaker}]\n{text}"})
     return messages
+
+
+def handoff(agent: str, round_no: int) -> tuple[str, str]:
+    """The moderator message that gives ``agent`` the turn."""
+    role = AGENTS[agent]
+    return MODERATOR, role.handoff if round_no == 1 else role.revise
+
+
+def clean_reply(agent: str, text: str) -> str:
+    """Close a code block cut at its closing fence by a stop string."""
+    if "\n```" in AGENTS[agent].stop and text.count("```") % 2 == 1:
+        return text.rstrip() + "\n```"
+    return text
 
 
 async def run_turn(engine: Engine, agent: str, task: str, history: History, round_no: int,
                    max_tokens: int) -> dict[str, Any]:
-    """Run one agent on a snapshot of the history and return its per-turn record."""
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    """Run one agent on a snapshot of the history (ending with its hand-off); return its record."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=list(AGENTS[agent].stop))
     out = await engine.generate(build_messages(agent, task, history), agent=agent, sampling=sampling)
     u = out.usage
     return {
-        "round": round_no, "agent": agent, "text": out.text, "finish_reason": out.finish_reason,
-        "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens,
+        "round": round_no, "agent": agent, "text": clean_reply(agent, out.text),
+        "finish_reason": out.finish_reason,
+        "prompt_tokens": u.prompt_tokens, "cached_tokens": u.cached_tokens, "reused_tokens": u.reused_tokens,
         "completion_tokens": u.completion_tokens, "ttft_ms": out.ttft_s * 1000.0,
         "latency_s": out.latency_s,
         "tokens_per_s": u.completion_tokens / out.latency_s if out.latency_s > 0 else 0.0,
@@ -65,31 +110,36 @@ async def run_pipeline(engine: Engine, task: str, rounds: int, max_tokens: int,
                        parallel_review: bool = False, on_turn: TurnCallback | None = None) -> list[dict]:
     """Run ``rounds`` rounds of planner -> coder -> reviewer -> tester; return one record per turn.
 
-    With ``parallel_review`` the reviewer and tester run concurrently on the same history (so they
-    are batched together by the engine) and the tester does not see the reviewer's reply.
+    Before each turn a moderator message hands the turn to the next agent; it stays in the shared
+    history. With ``parallel_review`` the reviewer and tester run concurrently on the same history
+    (batched together by the engine), so the tester does not see the reviewer's reply.
     """
+    tail = [("coder", "reviewer"), ("coder", "tester")] if parallel_review else [("coder", "reviewer"),
+                                                                               ("reviewer", "tester")]
+    engine.set_edges([("planner", "coder"), *tail])
     history: History = []
     records: list[dict] = []
 
     def done(rec: dict[str, Any], parallel: bool = False) -> None:
         rec["parallel"] = parallel
-        history.append((rec["agent"], rec["text"]))
         records.append(rec)
         if on_turn:
             on_turn(rec)
 
     for r in range(1, rounds + 1):
-        for agent in ("planner", "coder"):
-            done(await run_turn(engine, agent, task, history, r, max_tokens))
+        sequential = ORDER[:2] if parallel_review else ORDER
+        for agent in sequential:
+            history.append(handoff(agent, r))
+            rec = await run_turn(engine, agent, task, history, r, max_tokens)
+            history.append((agent, rec["text"]))
+            done(rec)
         if parallel_review:
-            snapshot = list(history)
-            pair = await asyncio.gather(*(run_turn(engine, a, task, snapshot, r, max_tokens)
-                                          for a in ("reviewer", "tester")))
-            for rec in pair:
+            pair = ("reviewer", "tester")
+            recs = await asyncio.gather(*(run_turn(engine, a, task, history + [handoff(a, r)], r, max_tokens)
+                                          for a in pair))
+            for agent, rec in zip(pair, recs):
+                history += [handoff(agent, r), (agent, rec["text"])]
                 done(rec, parallel=True)
-        else:
-            for agent in ("reviewer", "tester"):
-                done(await run_turn(engine, agent, task, history, r, max_tokens))
     return records
 
 
@@ -112,12 +162,15 @@ def print_turn(rec: dict[str, Any]) -> None:
 
 
 def format_table(records: list[dict]) -> str:
-    """A fixed-width table: one row per turn."""
-    head = f"{'round':>5}  {'agent':<9} {'prompt':>6} {'cached':>6} {'new':>4} {'TTFT ms':>8} {'tok/s':>6}  finish"
+    """A fixed-width table: one row per turn (a "reused" column appears when any turn reused KV)."""
+    reused = any(r.get("reused_tokens") for r in records)
+    head = (f"{'round':>5}  {'agent':<9} {'prompt':>6} {'cached':>6}" + (f" {'reused':>6}" if reused else "")
+            + f" {'new':>4} {'TTFT ms':>8} {'tok/s':>6}  finish")
     rows = [head, "-" * len(head)]
     for r in records:
-        rows.append(f"{r['round']:>5}  {r['agent']:<9} {r['prompt_tokens']:>6} {r['cached_tokens']:>6} "
-                    f"{r['completion_tokens']:>4} {r['ttft_ms']:>8.1f} {r['tokens_per_s']:>6.1f}  "
+        rows.append(f"{r['round']:>5}  {r['agent']:<9} {r['prompt_tokens']:>6} {r['cached_tokens']:>6}"
+                    + (f" {r.get('reused_tokens', 0):>6}" if reused else "")
+                    + f" {r['completion_tokens']:>4} {r['ttft_ms']:>8.1f} {r['tokens_per_s']:>6.1f}  "
                     f"{r['finish_reason']}")
     return "\n".join(rows)
 
@@ -139,13 +192,24 @@ def format_stats(stats: dict[str, Any]) -> str:
 
 
 # --- command line ---------------------------------------------------------------------------
+def device_arg(value: str) -> str:
+    """argparse type for --device: "auto" or anything torch.device accepts."""
+    if value != "auto":
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise argparse.ArgumentTypeError(f"invalid device {value!r}; use auto, cpu, cuda or cuda:N") from None
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``kvcmas demo`` and ``examples/engine_pipeline.py``."""
     parser.add_argument("--rounds", type=int, default=2, help="pipeline rounds (default 2)")
     parser.add_argument("--max-tokens", type=int, default=96, help="max new tokens per turn (default 96)")
     parser.add_argument("--reuse", choices=REUSE_MODES, default="prefix", help="KV reuse mode (default prefix)")
     parser.add_argument("--model", default=None, help="local checkpoint dir or .gguf (default: SmolLM2-135M)")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
+    parser.add_argument("--device", type=device_arg, default="auto",
+                        help="auto, cpu, cuda, cuda:N (default auto)")
     parser.add_argument("--task", default=DEFAULT_TASK, help="the coding task to work on")
     parser.add_argument("--parallel-review", action="store_true",
                         help="run reviewer and tester concurrently on the same history")
@@ -177,6 +241,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (FileNotFoundError, ValueError) as exc:
+    except (ModelNotFoundError, InvalidRequestError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
