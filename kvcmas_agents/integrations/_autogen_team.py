@@ -1,0 +1,57 @@
+"""Agent identity and edge order for AutoGen teams."""
+from __future__ import annotations
+
+from typing import Any
+
+from autogen_core import MessageHandlerContext
+
+from ..engine import Engine
+
+
+def current_agent_name() -> str | None:
+    """The name of the AutoGen agent whose message handler is running, or None outside one.
+
+    AgentChat teams register each participant under the agent type ``"<name>_<team_id>"`` with key
+    ``<team_id>``, so stripping the key suffix recovers the participant's name. Plain Core agents
+    keep their type as the name.
+    """
+    try:
+        agent_id = MessageHandlerContext.agent_id()
+    except RuntimeError:
+        return None
+    suffix = f"_{agent_id.key}"
+    if agent_id.type.endswith(suffix) and len(agent_id.type) > len(suffix):
+        return agent_id.type[: -len(suffix)]
+    return agent_id.type
+
+
+def team_edges(team: Any) -> list[tuple[str, str]]:
+    """(predecessor, successor) pairs for a team's speaking order.
+
+    GraphFlow: its DiGraph edges. RoundRobinGroupChat: the participants' cycle (a→b→c→a).
+    SelectorGroupChat and other group chats: the same cycle over the participant order, as an
+    approximation, since the speaker is picked at run time.
+    """
+    graph = getattr(team, "_graph", None)
+    if graph is not None and hasattr(graph, "nodes"):
+        return [(node.name, edge.target) for node in graph.nodes.values() for edge in node.edges]
+    names = getattr(team, "_participant_names", None)
+    if names is None:
+        participants = getattr(team, "_participants", None)
+        if participants is None:
+            raise TypeError(f"register_team needs an AgentChat group chat team, got {type(team).__name__}")
+        names = [p.name for p in participants]
+    if len(names) < 2:
+        return []
+    return [(names[i], names[(i + 1) % len(names)]) for i in range(len(names))]
+
+
+def team_engine(team: Any) -> Engine | None:
+    """The engine behind the first participant that uses a KVCMASClient, if any."""
+    from .autogen import KVCMASClient    # local: autogen.py imports this module
+
+    for participant in getattr(team, "_participants", []):
+        client = getattr(participant, "_model_client", None)
+        if isinstance(client, KVCMASClient):
+            return client.engine
+    return None

@@ -1,0 +1,273 @@
+"""AutoGen model client on the shared embedded engine.
+
+    from kvcmas_agents.integrations.autogen import KVCMASClient, register_team
+
+    client = KVCMASClient(max_tokens=128)       # every client naming the same model shares one engine
+    team = RoundRobinGroupChat([AssistantAgent("planner", client), AssistantAgent("coder", client)], ...)
+    register_team(team)                          # tell the engine the speaking order
+
+Inside a team, each request is attributed to the participant that made it (its AgentChat name), so
+``engine.stats()["agents"]`` reports per-agent usage without any per-agent configuration.
+"""
+from __future__ import annotations
+
+import asyncio
+import warnings
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, Literal, Mapping, Optional, Sequence, Union
+
+from autogen_core import CancellationToken, Component
+from autogen_core.models import (
+    ChatCompletionClient, CreateResult, LLMMessage, ModelCapabilities, ModelFamily, ModelInfo, RequestUsage,
+    validate_model_info,
+)
+from autogen_core.tools import Tool, ToolSchema
+from pydantic import BaseModel
+from typing_extensions import Self
+
+from ..engine import Engine, EngineError, RequestOutput, SamplingParams
+from ..registry import get_engine
+from ._autogen_convert import (
+    ToolCallFilter, json_instruction, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
+    with_instruction,
+)
+from ._autogen_team import current_agent_name, team_edges, team_engine
+
+__all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]
+
+_SAMPLING_ARGS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop")
+_DONE = object()
+
+
+class KVCMASClientConfig(BaseModel):
+    """Declarative config of a KVCMASClient (the engine instance itself is not serialized)."""
+
+    model: Optional[str] = None
+    temperature: float = 0.0
+    max_tokens: int = 256
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    stop: Optional[list[str]] = None
+    agent: Optional[str] = None
+    reuse: Optional[str] = None
+    model_info: Optional[ModelInfo] = None
+
+
+@dataclass
+class _Prepared:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tool_choice: str | None
+    sampling: SamplingParams
+    agent: str
+
+
+class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
+    """An AutoGen ``ChatCompletionClient`` served by the process-wide kvcmas engine.
+
+    Args:
+        model: None or "smollm2-135m-instruct" for the default model, a checkpoint directory or a
+            ``.gguf`` path. Clients naming the same model share one engine (``registry.get_engine``).
+        temperature, max_tokens, top_p, top_k, seed, stop: default sampling; ``extra_create_args``
+            may override them per call.
+        agent: the agent name to report when not called from inside an AutoGen message handler
+            (inside one, the handler's agent name wins; ``extra_create_args={"agent": ...}`` beats both).
+        reuse: the engine's reuse mode, applied only if this client is the one that creates the engine.
+        engine: use this engine instead of the shared one.
+        model_info: override the reported ModelInfo.
+    """
+
+    component_type = "model"
+    component_config_schema = KVCMASClientConfig
+    component_provider_override = "kvcmas_agents.integrations.autogen.KVCMASClient"
+
+    def __init__(self, model: str | None = None, *, temperature: float = 0.0, max_tokens: int = 256,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
+                 agent: str | None = None, reuse: str | None = None, engine: Engine | None = None,
+                 model_info: ModelInfo | None = None) -> None:
+        self._defaults = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                        top_k=top_k, seed=seed, stop=list(stop or []))
+        self._defaults.validate()
+        if agent is not None and (not isinstance(agent, str) or not agent):
+            raise ValueError("agent must be a non-empty string")
+        self._model = model if model is not None or engine is None else engine.config.model
+        self._agent = agent
+        self._reuse = reuse
+        self._engine = engine
+        self._model_info: ModelInfo = model_info or {
+            "vision": False, "function_calling": True, "json_output": True,
+            # JSON is asked for in the prompt and validated best-effort, not enforced while decoding.
+            "structured_output": False, "family": ModelFamily.UNKNOWN,
+        }
+        validate_model_info(self._model_info)
+        self._total_usage = RequestUsage(prompt_tokens=0, completion_tokens=0)
+        self.last_output: RequestOutput | None = None
+        """The engine's output for the latest finished request (KV reuse counters, timings)."""
+
+    # --- engine -------------------------------------------------------------------------------
+    @property
+    def engine(self) -> Engine:
+        """The engine serving this client (the shared one is created on first use)."""
+        if self._engine is None:
+            overrides = {"reuse": self._reuse} if self._reuse else {}
+            self._engine = get_engine(self._model, **overrides)
+            if self._reuse and self._engine.config.reuse != self._reuse:
+                warnings.warn(f"shared engine for {self._model or 'the default model'} already runs with "
+                              f"reuse={self._engine.config.reuse!r}; reuse={self._reuse!r} is ignored",
+                              stacklevel=2)
+        return self._engine
+
+    # --- requests -----------------------------------------------------------------------------
+    async def create(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        tools: Sequence[Tool | ToolSchema] = [],
+        tool_choice: Tool | Literal["auto", "required", "none"] = "auto",
+        json_output: Optional[bool | type[BaseModel]] = None,
+        extra_create_args: Mapping[str, Any] = {},
+        cancellation_token: Optional[CancellationToken] = None,
+    ) -> CreateResult:
+        """Run one request to completion; cancelling the token aborts it in the engine."""
+        req = self._prepare(messages, tools, tool_choice, json_output, extra_create_args)
+        task = asyncio.ensure_future(self.engine.generate(
+            req.messages, agent=req.agent, sampling=req.sampling, tools=req.tools, tool_choice=req.tool_choice))
+        if cancellation_token is not None:
+            cancellation_token.link_future(task)
+        out = await task
+        return self._finish(out, json_output)
+
+    async def create_stream(
+        self,
+        messages: Sequence[LLMMessage],
+        *,
+        tools: Sequence[Tool | ToolSchema] = [],
+        tool_choice: Tool | Literal["auto", "required", "none"] = "auto",
+        json_output: Optional[bool | type[BaseModel]] = None,
+        extra_create_args: Mapping[str, Any] = {},
+        cancellation_token: Optional[CancellationToken] = None,
+    ) -> AsyncGenerator[Union[str, CreateResult], None]:
+        """Yield text chunks, then exactly one CreateResult.
+
+        Tool-call blocks are not streamed as text; they arrive as FunctionCalls in the result.
+        """
+        req = self._prepare(messages, tools, tool_choice, json_output, extra_create_args)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        # One pump task per request, so that a single link to the token can abort the whole stream.
+        async def pump() -> None:
+            async for delta in self.engine.stream(req.messages, agent=req.agent, sampling=req.sampling,
+                                                  tools=req.tools, tool_choice=req.tool_choice):
+                queue.put_nowait(delta)
+
+        task = asyncio.ensure_future(pump())
+        task.add_done_callback(lambda _: queue.put_nowait(_DONE))
+        if cancellation_token is not None:
+            cancellation_token.link_future(task)
+        hold = ToolCallFilter(enabled=bool(req.tools))
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    if task.cancelled():
+                        raise asyncio.CancelledError()
+                    raise task.exception() or EngineError("stream ended without an output")
+                chunk = hold.push(item.text)
+                if item.output is not None:
+                    chunk += hold.flush()
+                if chunk:
+                    yield chunk
+                if item.output is not None:
+                    yield self._finish(item.output, json_output)
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
+
+    def _prepare(self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema],
+                 tool_choice: Tool | str, json_output: bool | type[BaseModel] | None,
+                 extra: Mapping[str, Any]) -> _Prepared:
+        unknown = set(extra) - {*_SAMPLING_ARGS, "agent"}
+        if unknown:
+            raise ValueError(f"unsupported extra_create_args {sorted(unknown)}; "
+                             f"supported: {', '.join((*_SAMPLING_ARGS, 'agent'))}")
+        if json_output is not None and not isinstance(json_output, bool) and not (
+                isinstance(json_output, type) and issubclass(json_output, BaseModel)):
+            raise ValueError("json_output must be None, a bool, or a pydantic BaseModel subclass")
+        sampling = SamplingParams(**{k: extra.get(k, getattr(self._defaults, k)) for k in _SAMPLING_ARGS})
+        sampling.validate()
+        engine_tools = to_engine_tools(tools)
+        choice = to_engine_tool_choice(tool_choice, engine_tools)
+        if choice == "none":   # the model cannot call what it is not shown
+            engine_tools, choice = [], "auto"
+        msgs = with_instruction(to_engine_messages(messages), json_instruction(json_output))
+        agent = extra.get("agent") or current_agent_name() or self._agent or "default"
+        return _Prepared(msgs, engine_tools or None, choice if engine_tools else None, sampling, agent)
+
+    def _finish(self, out: RequestOutput, json_output: bool | type[BaseModel] | None) -> CreateResult:
+        result = to_create_result(out, json_output)
+        self.last_output = out
+        self._total_usage = RequestUsage(
+            prompt_tokens=self._total_usage.prompt_tokens + result.usage.prompt_tokens,
+            completion_tokens=self._total_usage.completion_tokens + result.usage.completion_tokens)
+        return result
+
+    # --- accounting and info --------------------------------------------------------------------
+    def actual_usage(self) -> RequestUsage:
+        """Tokens this client actually ran (there is no response cache, so equal to ``total_usage``)."""
+        return RequestUsage(self._total_usage.prompt_tokens, self._total_usage.completion_tokens)
+
+    def total_usage(self) -> RequestUsage:
+        """Tokens over all requests made through this client."""
+        return RequestUsage(self._total_usage.prompt_tokens, self._total_usage.completion_tokens)
+
+    def count_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
+        """Prompt tokens ``messages`` (and ``tools``) render to."""
+        return self.engine.count_tokens(to_engine_messages(messages), to_engine_tools(tools) or None)
+
+    def remaining_tokens(self, messages: Sequence[LLMMessage], *, tools: Sequence[Tool | ToolSchema] = []) -> int:
+        """Context tokens left after the prompt."""
+        return max(0, self.engine.max_context - self.count_tokens(messages, tools=tools))
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    @property
+    def capabilities(self) -> ModelCapabilities:  # type: ignore[override]  # deprecated in AutoGen
+        return {"vision": self._model_info["vision"], "function_calling": self._model_info["function_calling"],
+                "json_output": self._model_info["json_output"]}
+
+    async def close(self) -> None:
+        """No-op: the engine is shared by other clients (close it via ``registry.close_all``)."""
+
+    # --- component config -----------------------------------------------------------------------
+    def _to_config(self) -> KVCMASClientConfig:
+        d = self._defaults
+        return KVCMASClientConfig(model=self._model, temperature=d.temperature, max_tokens=d.max_tokens,
+                                  top_p=d.top_p, top_k=d.top_k, seed=d.seed, stop=list(d.stop) or None,
+                                  agent=self._agent, reuse=self._reuse, model_info=self._model_info)
+
+    @classmethod
+    def _from_config(cls, config: KVCMASClientConfig) -> Self:
+        return cls(**config.model_dump())
+
+
+def register_team(team: Any, model_or_engine: str | Engine | None = None) -> list[tuple[str, str]]:
+    """Register an AgentChat team's speaking order as the engine's edges and return them.
+
+    RoundRobinGroupChat gives the cycle a→b→c→a; GraphFlow its DiGraph edges; SelectorGroupChat
+    (and other group chats) the participant-order cycle, an approximation since the speaker is
+    chosen at run time. The engine is ``model_or_engine`` if given, else the one behind the first
+    participant using a KVCMASClient, else the shared default engine.
+    """
+    edges = team_edges(team)
+    if isinstance(model_or_engine, Engine):
+        engine = model_or_engine
+    elif model_or_engine is not None:
+        engine = get_engine(model_or_engine)
+    else:
+        engine = team_engine(team) or get_engine(None)
+    engine.set_edges(edges)
+    return edges
