@@ -1,0 +1,232 @@
+"""LangChain chat model backed by the process-wide embedded kvcmas engine."""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.chat_models import LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.runnables.config import ensure_config
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import BaseModel, Field
+
+from ..engine import Engine, SamplingParams
+from ..engine.config import DEFAULT_MODEL
+from ..registry import get_engine
+from . import _lc_messages as conv
+from . import _lc_structured as structured
+from ._lc_sync import iterate_sync
+
+DEFAULT_AGENT = "default"
+_SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
+_IGNORED_KEYS = ("stream", "parallel_tool_calls", "strict")   # accepted for API compatibility; no effect
+
+
+class ChatKVCMAS(BaseChatModel):
+    """Chat model on the embedded kvcmas engine, shared by every agent in the process.
+
+    All instances naming the same ``model`` share one engine (see ``kvcmas_agents.registry``), so
+    the agents of a LangGraph or AutoGen workflow batch together and share KV cache. The agent
+    name the engine accounts a call to is the LangGraph node running it (``langgraph_node``
+    metadata), else ``agent``, else ``"default"``; ``llm.bind(agent=...)`` overrides both.
+
+    >>> llm = ChatKVCMAS(max_tokens=128)
+    >>> await llm.ainvoke("Plan a CLI tool in three steps.")
+    """
+
+    model: str | None = None
+    """Model to serve: None/"smollm2-135m-instruct", a checkpoint directory, or a .gguf file."""
+    temperature: float = 0.0
+    """Sampling temperature; 0 is greedy."""
+    max_tokens: int = 256
+    """Most tokens to generate per call."""
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    """Stop strings; per-call ``stop`` adds to these."""
+    streaming: bool = False
+    """Stream by default (``invoke`` then goes through ``_stream``)."""
+    agent: str | None = None
+    """Agent name when not running inside a LangGraph node."""
+    reuse: str | None = None
+    """KV reuse mode for the engine, applied only if this instance creates it (None: engine default)."""
+    engine: Engine | None = Field(default=None, exclude=True, repr=False)
+    """An explicit engine; overrides the shared registry engine."""
+
+    # --- LangChain metadata ------------------------------------------------------------------
+    @property
+    def _llm_type(self) -> str:
+        return "kvcmas"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model or DEFAULT_MODEL, "temperature": self.temperature,
+                "max_tokens": self.max_tokens, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                "stop": self.stop, "agent": self.agent, "reuse": self.reuse}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider=conv.PROVIDER, ls_model_name=kwargs.get("model") or self.model
+                                 or DEFAULT_MODEL, ls_model_type="chat",
+                                 ls_temperature=kwargs.get("temperature", self.temperature),
+                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    # --- engine access -------------------------------------------------------------------------
+    def get_engine(self, model: str | None = None) -> Engine:
+        """The engine this model runs on (created on first use). ``model`` overrides the field."""
+        if self.engine is not None and (model is None or model == self.model):
+            return self.engine
+        overrides = {"reuse": self.reuse} if self.reuse is not None else {}
+        return get_engine(model if model is not None else self.model, **overrides)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage],
+                                     tools: Sequence[Any] | None = None) -> int:
+        """Exact prompt tokens, as rendered by the model's chat template."""
+        specs = [convert_to_openai_tool(t) for t in tools] if tools else None
+        return self.get_engine().count_tokens(conv.to_engine_messages(messages), specs)
+
+    # --- generation ------------------------------------------------------------------------------
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        engine, request = self._request(messages, stop, run_manager, kwargs)
+        out = engine.generate_sync(**request)
+        return _result(conv.ai_message(out, engine.model_name))
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+        engine, request = self._request(messages, stop, run_manager, kwargs)
+        out = await engine.generate(**request)
+        return _result(conv.ai_message(out, engine.model_name))
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        engine, request = self._request(messages, stop, run_manager, kwargs)
+        for chunk in iterate_sync(lambda: _chunks(engine, request)):
+            if run_manager:
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        engine, request = self._request(messages, stop, run_manager, kwargs)
+        async for chunk in _chunks(engine, request):
+            if run_manager:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None,
+                 run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun | None,
+                 kwargs: dict[str, Any]) -> tuple[Engine, dict[str, Any]]:
+        """Resolve the engine and build ``Engine.generate`` arguments for one call."""
+        kwargs = dict(kwargs)
+        for key in _IGNORED_KEYS:
+            kwargs.pop(key, None)
+        engine = self.get_engine(kwargs.pop("model", None))
+        agent = kwargs.pop("agent", None) or _langgraph_node(run_manager) or self.agent or DEFAULT_AGENT
+        tools = kwargs.pop("tools", None) or None
+        tool_choice = kwargs.pop("tool_choice", None)
+        if tool_choice == "none":
+            tools, tool_choice = None, None
+        instruction = structured.format_instruction(kwargs.pop("response_format", None))
+        sampling = self._sampling(stop, {k: kwargs.pop(k) for k in _SAMPLING_KEYS if k in kwargs})
+        if kwargs:
+            raise TypeError(f"ChatKVCMAS got unexpected call arguments: {sorted(kwargs)}")
+        engine_messages = structured.with_instruction(conv.to_engine_messages(messages), instruction)
+        return engine, {"messages": engine_messages, "agent": agent, "sampling": sampling,
+                        "tools": tools, "tool_choice": tool_choice}
+
+    def _sampling(self, stop: list[str] | None, overrides: dict[str, Any]) -> SamplingParams:
+        merged = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
+        params = {"temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
+                  "top_k": self.top_k, "seed": self.seed, **overrides}
+        return SamplingParams(
+            max_tokens=params["max_tokens"], temperature=params["temperature"],
+            top_p=1.0 if params["top_p"] is None else params["top_p"],
+            top_k=0 if params["top_k"] is None else params["top_k"], seed=params["seed"], stop=merged)
+
+    # --- tools and structured output -----------------------------------------------------------
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool], *,
+                   tool_choice: dict[str, Any] | str | bool | None = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (LangChain tools, functions, pydantic classes or OpenAI tool dicts).
+
+        ``tool_choice``: "auto", "none", "any"/"required"/True (must call some tool), a tool name,
+        or ``{"type": "function", "function": {"name": ...}}``. The model is instructed to comply;
+        there is no constrained decoding.
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        if tool_choice is not None and tool_choice is not False:
+            kwargs["tool_choice"] = _check_tool_choice(tool_choice, [t["function"]["name"] for t in formatted])
+        return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(self, schema: dict[str, Any] | type | None = None, *,
+                               method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+                               include_raw: bool = False, strict: bool | None = None,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
+        """Return a runnable whose output follows ``schema``.
+
+        method: "function_calling" (a forced tool call; LangChain's default parsing),
+        "json_schema" (the schema goes into the system prompt and the JSON reply is parsed), or
+        "json_mode" (the model is told to reply in JSON; ``schema`` is only used to parse).
+        ``strict`` is accepted for compatibility: output is validated after generation, not
+        constrained during it.
+        """
+        if kwargs:
+            raise ValueError(f"Received unsupported arguments {kwargs}")
+        if method == "function_calling":
+            if schema is None:
+                raise ValueError("method='function_calling' needs a schema")
+            return super().with_structured_output(schema, include_raw=include_raw)
+        if method not in ("json_schema", "json_mode"):
+            raise ValueError(f"unknown method {method!r}; use 'function_calling', 'json_schema' or 'json_mode'")
+        bound: dict[str, Any] = {"response_format": structured.response_format_for(schema, method)}
+        if schema is not None:
+            bound["ls_structured_output_format"] = {"kwargs": {"method": method}, "schema": schema}
+        return structured.attach_parser(self.bind(**bound), structured.json_parser(schema), include_raw)
+
+
+def _check_tool_choice(tool_choice: dict[str, Any] | str | bool, names: list[str]) -> dict[str, Any] | str:
+    if tool_choice is True:
+        return "any"
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
+    elif tool_choice in ("auto", "none", "any", "required"):
+        return tool_choice
+    else:
+        name = tool_choice
+    if name not in names:
+        raise ValueError(f"tool_choice {tool_choice!r} names no bound tool; bound tools: {names}")
+    return tool_choice
+
+
+def _langgraph_node(run_manager: Any) -> str | None:
+    """The LangGraph node running this call, from run metadata or the current runnable config."""
+    metadata = getattr(run_manager, "metadata", None) or ensure_config().get("metadata") or {}
+    node = metadata.get("langgraph_node")
+    return node if isinstance(node, str) and node else None
+
+
+async def _chunks(engine: Engine, request: dict[str, Any]) -> AsyncIterator[ChatGenerationChunk]:
+    """Engine deltas as LangChain chunks; tool-call blocks are held back for the final chunk."""
+    hide = conv.ToolBlockFilter() if request["tools"] else None
+    async for delta in engine.stream(**request):
+        text = hide.push(delta.text) if hide else delta.text
+        if delta.output is not None:
+            text += hide.flush() if hide else ""
+            yield ChatGenerationChunk(message=conv.final_chunk(text, delta.output, engine.model_name),
+                                      generation_info={"finish_reason": delta.output.finish_reason})
+        elif text:
+            yield ChatGenerationChunk(message=AIMessageChunk(content=text))
+
+
+def _result(message: AIMessage) -> ChatResult:
+    return ChatResult(generations=[ChatGeneration(
+        message=message, generation_info={"finish_reason": message.response_metadata.get("finish_reason")})])
