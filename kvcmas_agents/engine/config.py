@@ -92,6 +92,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     return_logits: bool = False       # keep each generated step's fp32 logits (fidelity harness, tests)
+    forced_tokens: list[int] | None = None   # teacher forcing: feed these instead of sampled tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

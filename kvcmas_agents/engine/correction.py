@@ -43,12 +43,13 @@ class Corrector:
         for i, seg in enumerate(segs):
             tokens = tuple(ids[seg.start:seg.end])
             home = self.segments.lookup(tokens)
-            if home is None:
-                if i == 0:
-                    own_prefix_end = seg.end       # e.g. this agent's new system prompt
-                    continue
-                break
             ctx = context_key(agent, ids, seg.start)
+            if home is None:
+                if not pieces:
+                    own_prefix_end = seg.end       # e.g. this agent's new system prompt
+                else:                              # new text between reused ones: computed with the correction
+                    pieces.append(ReusePiece(None, seg.start, seg.end, ctx, pending=True))
+                continue
             piece = ReusePiece(home, seg.start, seg.end, ctx)
             if piece.delta == 0 and (seg.start == 0 or (home.agent == agent and home.context == ctx)):
                 piece.exact = True                 # same tokens under the same view: KV is identical
@@ -61,17 +62,21 @@ class Corrector:
             pieces.append(piece)
         if pieces and pieces[-1].end >= len(ids):
             pieces.pop()                           # keep at least one token to prefill for logits
+        while pieces and pieces[-1].home is None:
+            pieces.pop()                           # trailing new text belongs to the own tail
         req.pieces = pieces
         req.own_prefix_end = own_prefix_end
         req.reuse_end = pieces[-1].end if pieces else own_prefix_end
         for p in pieces:
-            self.segments.pin(p.home)
+            if p.home is not None:
+                self.segments.pin(p.home)
         req.cached_tokens = sum(p.end - p.start for p in pieces if p.exact)
-        req.reused_tokens = sum(p.end - p.start for p in pieces if not p.exact)
+        req.reused_tokens = sum(p.end - p.start for p in pieces if p.home is not None and not p.exact)
 
     def release(self, req: Request) -> None:
         for p in req.pieces:
-            self.segments.unpin(p.home)
+            if p.home is not None:
+                self.segments.unpin(p.home)
         req.pieces = []
 
     def register_homes(self, req: Request) -> None:
@@ -79,23 +84,24 @@ class Corrector:
         req.registered = True
         ids = req.prompt_ids
         for seg in req.prompt.segments:
-            if seg.kind == "suffix" or seg.length == 0:
-                continue
-            if req.own_prefix_end <= seg.start and seg.end <= req.reuse_end:
-                continue                           # served by a piece
-            if seg.start < req.reuse_end and seg.end > req.own_prefix_end:
-                continue                           # straddles a reused span
+            if seg.kind == "suffix" or seg.length == 0 or not req.owns(seg.start, seg.end):
+                continue                           # served by another view
             self.segments.register(tuple(ids[seg.start:seg.end]), req.agent, seg.start,
                                    context_key(req.agent, ids, seg.start), req.blocks)
 
     # --- attention layout ------------------------------------------------------------------------
-    def pieces_for(self, req: Request, end: int) -> list:
-        """The view-attention pieces of a request's context [0, end)."""
+    def pieces_for(self, req: Request, end: int, include_new: bool = True) -> list:
+        """The view-attention pieces of a request's context [0, end); include_new=False leaves out
+        new spans between reused ones (their KV is not computed yet)."""
         out: list = []
         a, b = req.own_prefix_end, req.reuse_end
         if a > 0:
             out.append(self._own(req, 0, min(a, end)))
         for p in req.pieces:
+            if p.home is None:
+                if p.start < end and include_new:
+                    out.append(self._own(req, p.start, min(p.end, end)))
+                continue
             out.append(SegmentPiece(p.home.slots, torch.arange(p.start, p.end, device=self.model.device),
                                     p.delta, p.chain))
         if end > b:
@@ -108,12 +114,13 @@ class Corrector:
     # --- correction (in the worker, once the own prefix is computed) -------------------------------
     @torch.inference_mode()
     def correct(self, req: Request) -> None:
-        pending = [p for p in req.pieces if p.pending]
-        if pending:
+        pending = [p for p in req.pieces if p.pending and p.home is not None]
+        new = [p for p in req.pieces if p.home is None]
+        if pending or new:
             for p in pending:
                 p.chain = self._reference_chain(req, p)
-            rows = self._select(req, pending)
-            self._recompute(req, pending, rows)
+            rows = self._select(req, pending) if pending else []
+            self._recompute(req, pending, rows, new)
         req.num_computed = req.reuse_end
 
     def _reference_chain(self, req: Request, piece: ReusePiece) -> list[LowRankDelta]:
@@ -134,7 +141,7 @@ class Corrector:
         if k == 0:
             return [torch.arange(0) for _ in pending]
         b, n = req.reuse_end, len(req.prompt_ids)
-        pieces = self.pieces_for(req, n)
+        pieces = self.pieces_for(req, n, include_new=False)
         track = [i for i, pc in enumerate(pieces) if isinstance(pc, SegmentPiece)
                  and any(pc.positions[0].item() == p.start for p in pending)]
         backend = _MassBackend(self, pieces, self.store.slots(req.blocks, b, n),
@@ -151,21 +158,26 @@ class Corrector:
             offset += size
         return out
 
-    def _recompute(self, req: Request, pending: list[ReusePiece], rows: list[torch.Tensor]) -> None:
+    def _recompute(self, req: Request, pending: list[ReusePiece], rows: list[torch.Tensor],
+                   new: list[ReusePiece]) -> None:
+        """Layer by layer, compute the selected rows of pending pieces and every row of new spans
+        under this request's own context; new spans' KV goes to own slots, deviations are compressed."""
         m, dev = self.model, self.model.device
-        ids = req.prompt_ids
-        sel_pos = torch.cat([p.start + r for p, r in zip(pending, rows)]).to(dev)
+        sel = {id(p): r.to(dev) for p, r in zip(pending, rows)}
+        for p in new:
+            sel[id(p)] = torch.arange(p.end - p.start, device=dev)
+        order = [p for p in req.pieces if id(p) in sel]          # position order
+        sel_pos = torch.cat([p.start + sel[id(p)] for p in order]) if order else torch.zeros(0, dtype=torch.long)
         if sel_pos.numel() == 0:
             for p in pending:
                 self._store(req, p, LowRankDelta.empty(m.args.num_layers, m.args.num_kv_heads, m.args.head_dim,
                                                         m.dtype, dev), 0)
             return
-        h = m.embed(torch.tensor(ids, device=dev)[sel_pos])
+        h = m.embed(torch.tensor(req.prompt_ids, device=dev)[sel_pos])
         a = req.own_prefix_end
-        L = m.args.num_layers
-        dks = [[] for _ in pending]
-        dvs = [[] for _ in pending]
-        for layer in range(L):
+        dks: dict[int, list] = {id(p): [] for p in pending}
+        dvs: dict[int, list] = {id(p): [] for p in pending}
+        for layer in range(m.args.num_layers):
             q, k_new, v_new = m.qkv(layer, h, sel_pos)
             keys, values, key_pos = [], [], []
             if a > 0:
@@ -174,20 +186,23 @@ class Corrector:
                 key_pos.append(torch.arange(0, a, device=dev))
             offset = 0
             for p in req.pieces:
-                kr = self.realigner.rotate_keys(self.store.k[layer][p.home.slots], p.delta)
-                vr = self.store.v[layer][p.home.slots]
-                if p.chain:
-                    kr, vr = apply_to(kr, vr, p.chain, layer)
-                if p.pending:
-                    j = pending.index(p)
-                    r = rows[j].to(dev)
-                    cnt = r.numel()
-                    kn, vn = k_new[offset:offset + cnt], v_new[offset:offset + cnt]
-                    dks[j].append((kn - kr[r]).permute(1, 0, 2))
-                    dvs[j].append((vn - vr[r]).permute(1, 0, 2))
-                    kr, vr = kr.clone(), vr.clone()
-                    kr[r], vr[r] = kn, vn
-                    offset += cnt
+                cnt = sel[id(p)].numel() if id(p) in sel else 0
+                kn, vn = k_new[offset:offset + cnt], v_new[offset:offset + cnt]
+                offset += cnt
+                if p.home is None:                                 # new text: exact, kept in own blocks
+                    self.store.write(layer, self.store.slots(req.blocks, p.start, p.end), kn, vn)
+                    kr, vr = kn, vn
+                else:
+                    kr = self.realigner.rotate_keys(self.store.k[layer][p.home.slots], p.delta)
+                    vr = self.store.v[layer][p.home.slots]
+                    if p.chain:
+                        kr, vr = apply_to(kr, vr, p.chain, layer)
+                    if p.pending:
+                        r = sel[id(p)]
+                        dks[id(p)].append((kn - kr[r]).permute(1, 0, 2))
+                        dvs[id(p)].append((vn - vr[r]).permute(1, 0, 2))
+                        kr, vr = kr.clone(), vr.clone()
+                        kr[r], vr[r] = kn, vn
                 keys.append(kr); values.append(vr)
                 key_pos.append(torch.arange(p.start, p.end, device=dev))
             kk, vv, kp = torch.cat(keys), torch.cat(values), torch.cat(key_pos)
@@ -196,10 +211,12 @@ class Corrector:
                                                   attn_mask=mask, scale=m.scale, enable_gqa=True).transpose(0, 1)
             h = m.finish_layer(layer, h, attn)
         full = req.options.recompute_ratio >= 1.0
-        for j, p in enumerate(pending):
-            dk, dv = torch.stack(dks[j]), torch.stack(dvs[j])        # [L, KVH, R, D]
-            rank = m.args.head_dim if full else req.options.rank     # ratio 1.0 keeps the exact deviation
-            self._store(req, p, compress(dk, dv, rows[j].to(dev), rank), rows[j].numel())
+        for p in new:
+            p.pending = False
+        for p in pending:
+            dk, dv = torch.stack(dks[id(p)]), torch.stack(dvs[id(p)])     # [L, KVH, R, D]
+            rank = m.args.head_dim if full else req.options.rank        # ratio 1.0 keeps the exact deviation
+            self._store(req, p, compress(dk, dv, sel[id(p)], rank), sel[id(p)].numel())
 
     def _store(self, req: Request, p: ReusePiece, own: LowRankDelta, recomputed: int) -> None:
         ref = "home" if not p.chain else "chain"

@@ -354,6 +354,9 @@ class Engine:
                 continue
             if req.sampling.return_logits:
                 req.logits.append(logits[i].detach().to("cpu", copy=True))
+            forced = req.sampling.forced_tokens
+            if forced is not None and len(req.output_ids) < len(forced):
+                tok = int(forced[len(req.output_ids)])
             try:
                 self._append_token(req, tok)
             except Exception as exc:

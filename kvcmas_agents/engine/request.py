@@ -18,7 +18,7 @@ from .segments import HomeView
 class ReusePiece:
     """A prompt span [start, end) served by a home view instead of this request's own prefill."""
 
-    home: HomeView
+    home: HomeView | None                                     # None: new text, computed by this request
     start: int
     end: int
     context: int
@@ -90,4 +90,11 @@ class Request:
 
     def is_hole(self, start: int, end: int) -> bool:
         """True when positions [start, end) all lie in reused pieces (no own KV needed there)."""
-        return self.own_prefix_end <= start and end <= self.reuse_end
+        return (self.own_prefix_end <= start and end <= self.reuse_end
+                and not any(p.home is None and p.start < end and start < p.end for p in self.pieces))
+
+    def owns(self, start: int, end: int) -> bool:
+        """True when this request computes the KV of positions [start, end) itself."""
+        if end <= self.own_prefix_end or start >= self.reuse_end:
+            return True
+        return any(p.home is None and p.start <= start and end <= p.end for p in self.pieces)

@@ -129,3 +129,26 @@ async def test_kv_returns_to_home_view_baseline(engine):
     stats = engine.stats()
     assert stats["blocks_in_use"] == len(engine.scheduler.segments.home_blocks)
     assert stats["kv_bytes"] == stats["home_view_bytes"] + stats["kv_bytes_cached"]
+
+
+async def test_new_text_between_reused_segments(engine):
+    history = await conversation(engine, turns=2)
+    await engine.generate(prompt("planner", history), agent="p5", sampling=FIRST,
+                          reuse_options=ReuseOptions(reuse="kvcmas"))
+    # A message nobody has seen, in the middle: the segments after it are still reused.
+    middle = history[:1] + [{"role": "user", "content": "Moderator: reviewer, focus on error handling."}] + history[1:]
+    greedy = SamplingParams(max_tokens=16, return_logits=True)
+    exact = await engine.generate(prompt("reviewer", middle), agent="r5x", sampling=greedy,
+                                  reuse_options=ReuseOptions(reuse="none"))
+    full = await engine.generate(prompt("reviewer", middle), agent="r5", sampling=greedy,
+                                 reuse_options=ReuseOptions(reuse="kvcmas", recompute_ratio=1.0))
+    plain = await engine.generate(prompt("reviewer", history), agent="r7", sampling=FIRST,
+                                  reuse_options=ReuseOptions(reuse="kvcmas"))
+    # Every segment reused without the new message is still reused with it.
+    assert full.usage.reused_tokens == plain.usage.reused_tokens > 0
+    assert full.token_ids == exact.token_ids
+    default = await engine.generate(prompt("reviewer", middle), agent="r6", sampling=greedy,
+                                    reuse_options=ReuseOptions(reuse="kvcmas"))
+    # By now the system prompt and the middle message have home views too (from r5).
+    assert default.usage.reused_tokens + default.usage.cached_tokens > full.usage.reused_tokens
+    assert kl(exact.logits[0], default.logits[0]) < 0.05
