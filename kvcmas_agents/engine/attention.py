@@ -21,6 +21,7 @@ class SeqSlice:
     gather: torch.Tensor | None       # slot indices of all context_len tokens, in order
     pieces: list | None = None        # view-attention pieces instead of gather (cross-agent reuse)
     q_positions: torch.Tensor | None = None
+    view: object | None = None        # a GatheredView of the pieces (fast torch path)
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -52,6 +53,9 @@ class PagedAttention:
 
     def _one(self, layer: int, s: SeqSlice, q: torch.Tensor) -> torch.Tensor:
         kc, vc = self.store.k[layer], self.store.v[layer]
+        if s.view is not None:
+            from .view_gather import gathered_attention
+            return gathered_attention(q, s.view, kc, vc, layer, self.scale)
         if s.pieces is not None:
             return view_attention(q, s.q_positions, s.pieces, kc, vc, layer, self.scale, self.realigner)
         return sdpa(q, kc[s.gather], vc[s.gather], self.scale)

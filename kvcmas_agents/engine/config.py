@@ -43,9 +43,12 @@ class EngineConfig:
     recompute_ratio: float = 0.3
     rank: int = 16
     reference: str = "home"
+    view_path: str = "gather"          # torch attention over corrected views: "gather" or "query"
 
     def __post_init__(self) -> None:
         ReuseOptions(self.reuse, self.recompute_ratio, self.rank, self.reference).validate()
+        if self.view_path not in ("gather", "query"):
+            raise ValueError(f"view_path must be 'gather' or 'query', got {self.view_path!r}")
         if self.block_size <= 0 or self.max_batch_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("block_size, max_batch_tokens and max_num_seqs must be positive")
         if self.kv_budget_bytes <= 0:

@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from .kv_store import KVStore
-from .lowrank import LowRankDelta, apply_to, compress
+from .lowrank import LowRankDelta, compress
 from .model import LlamaModel
 from .realign import Realigner
 from .request import Request, ReusePiece
 from .segments import Correction, SegmentStore, context_key
 from .view_attention import OwnPiece, SegmentPiece, view_attention
+from .view_gather import build_view, gathered_kv
 
 CROSS_AGENT_MODES = ("naive", "kvcmas")
 
@@ -174,41 +175,32 @@ class Corrector:
                                                         m.dtype, dev), 0)
             return
         h = m.embed(torch.tensor(req.prompt_ids, device=dev)[sel_pos])
-        a = req.own_prefix_end
+        b = req.reuse_end
+        view = build_view(self.pieces_for(req, b), self.realigner, dev, self.store.k.dtype)
+        # Where each piece's selected rows sit in k_new (step order) and in the view (position order).
+        step_rows, view_rows, offset = {}, {}, 0
+        for p in order:
+            cnt = sel[id(p)].numel()
+            step_rows[id(p)] = slice(offset, offset + cnt)
+            view_rows[id(p)] = p.start + sel[id(p)]             # the view covers positions [0, b)
+            offset += cnt
+        new_slots = {id(p): self.store.slots(req.blocks, p.start, p.end) for p in new}
         dks: dict[int, list] = {id(p): [] for p in pending}
         dvs: dict[int, list] = {id(p): [] for p in pending}
+        visible = torch.arange(b, device=dev).unsqueeze(0) <= sel_pos.unsqueeze(1)
         for layer in range(m.args.num_layers):
             q, k_new, v_new = m.qkv(layer, h, sel_pos)
-            keys, values, key_pos = [], [], []
-            if a > 0:
-                slots = self.store.slots(req.blocks, 0, a)
-                keys.append(self.store.k[layer][slots]); values.append(self.store.v[layer][slots])
-                key_pos.append(torch.arange(0, a, device=dev))
-            offset = 0
-            for p in req.pieces:
-                cnt = sel[id(p)].numel() if id(p) in sel else 0
-                kn, vn = k_new[offset:offset + cnt], v_new[offset:offset + cnt]
-                offset += cnt
-                if p.home is None:                                 # new text: exact, kept in own blocks
-                    self.store.write(layer, self.store.slots(req.blocks, p.start, p.end), kn, vn)
-                    kr, vr = kn, vn
-                else:
-                    kr = self.realigner.rotate_keys(self.store.k[layer][p.home.slots], p.delta)
-                    vr = self.store.v[layer][p.home.slots]
-                    if p.chain:
-                        kr, vr = apply_to(kr, vr, p.chain, layer)
-                    if p.pending:
-                        r = sel[id(p)]
-                        dks[id(p)].append((kn - kr[r]).permute(1, 0, 2))
-                        dvs[id(p)].append((vn - vr[r]).permute(1, 0, 2))
-                        kr, vr = kr.clone(), vr.clone()
-                        kr[r], vr[r] = kn, vn
-                keys.append(kr); values.append(vr)
-                key_pos.append(torch.arange(p.start, p.end, device=dev))
-            kk, vv, kp = torch.cat(keys), torch.cat(values), torch.cat(key_pos)
-            mask = kp.unsqueeze(0) <= sel_pos.unsqueeze(1)
+            for p in new:                                          # new text: exact, kept in own blocks
+                self.store.write(layer, new_slots[id(p)], k_new[step_rows[id(p)]], v_new[step_rows[id(p)]])
+            kk, vv = gathered_kv(view, self.store.k[layer], self.store.v[layer], layer)
+            for p in pending:                                      # swap in the recomputed rows
+                rows, kn, vn = view_rows[id(p)], k_new[step_rows[id(p)]], v_new[step_rows[id(p)]]
+                dks[id(p)].append((kn - kk[rows]).permute(1, 0, 2))
+                dvs[id(p)].append((vn - vv[rows]).permute(1, 0, 2))
+                kk[rows], vv[rows] = kn, vn
             attn = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                                  attn_mask=mask, scale=m.scale, enable_gqa=True).transpose(0, 1)
+                                                  attn_mask=visible, scale=m.scale,
+                                                  enable_gqa=True).transpose(0, 1)
             h = m.finish_layer(layer, h, attn)
         full = req.options.recompute_ratio >= 1.0
         for p in new:

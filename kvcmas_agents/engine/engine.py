@@ -61,7 +61,7 @@ class Engine:
         self.corrector = Corrector(self.model, self.store, self.scheduler.segments,
                                    Realigner.from_rope(self.model.rope), self.predecessors)
         self.scheduler.corrector = self.corrector
-        self.runner = ModelRunner(self.model, self.store, self.corrector)
+        self.runner = ModelRunner(self.model, self.store, self.corrector, self.config.view_path)
         self.sampler = Sampler()
         self.formatter = ChatFormatter(self.tokenizer, self.max_context)
         self.stop_token_ids = self.formatter.stop_token_ids | set(loaded.args.eos_token_ids)

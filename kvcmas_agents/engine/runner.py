@@ -5,13 +5,16 @@ import torch
 
 from .attention import PagedAttention, SeqSlice
 from .correction import Corrector
+from .view_gather import build_view
 from .kv_store import KVStore
 from .model import LlamaModel
 from .scheduler import StepItem
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, store: KVStore, corrector: Corrector | None = None):
+    def __init__(self, model: LlamaModel, store: KVStore, corrector: Corrector | None = None,
+                 view_path: str = "gather"):
+        self.view_path = view_path            # "gather" (fast torch path) or "query" (view_attention)
         self.model = model
         self.store = store
         self.corrector = corrector
@@ -29,9 +32,11 @@ class ModelRunner:
             tokens.extend(req.all_ids[start:start + n])
             positions.append(torch.arange(start, start + n))
             write.append(self.store.slots(req.blocks, start, start + n))
-            if req.pieces and self.corrector is not None:
+            if req.pieces and self.corrector is not None and start + n > req.own_prefix_end:
                 pieces = self.corrector.pieces_for(req, start + n)
-                slices.append(SeqSlice(offset, offset + n, start + n, None, pieces, positions[-1].to(dev)))
+                view = (build_view(pieces, self.corrector.realigner, dev, self.store.k.dtype)
+                        if self.view_path == "gather" else None)
+                slices.append(SeqSlice(offset, offset + n, start + n, None, pieces, positions[-1].to(dev), view))
             else:
                 gather = self.store.slots(req.blocks, 0, start + n)
                 slices.append(SeqSlice(offset, offset + n, start + n, gather))
