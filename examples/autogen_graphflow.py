@@ -1,9 +1,12 @@
 """writer -> editor -> summarizer as an AutoGen GraphFlow on one embedded kvcmas engine.
 
-    python examples/autogen_graphflow.py [--max-tokens 64]
+    python examples/autogen_graphflow.py [--max-tokens 64] [--reuse kvcmas]
 
 The DiGraph's edges are registered with the engine (``register_team``) so that each agent's
-predecessor in the pipeline is known to it.
+predecessor in the pipeline is known to it. With the default reuse="kvcmas", the summarizer reuses
+the KV the editor computed for the task and the writer's paragraph, and the editor reuses the
+writer's KV of the task (the "reused" column; "recomputed" counts the reused rows recomputed to
+correct them).
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ ROLES = {
 TOPIC = "Why sharing a KV cache between cooperating agents saves memory."
 
 
-async def main(max_tokens: int) -> None:
-    client = KVCMASClient(max_tokens=max_tokens)
+async def main(max_tokens: int, reuse: str | None) -> None:
+    client = KVCMASClient(max_tokens=max_tokens, reuse=reuse)
     writer, editor, summarizer = (AssistantAgent(name, model_client=client, system_message=prompt)
                                   for name, prompt in ROLES.items())
     builder = DiGraphBuilder()
@@ -37,14 +40,19 @@ async def main(max_tokens: int) -> None:
         source, content = getattr(event, "source", None), getattr(event, "content", None)
         if source is not None and isinstance(content, str):
             print(f"\n---------- {source} ----------\n{content}")
-    for name, a in client.engine.stats()["agents"].items():
-        print(f"{name}: {int(a['requests'])} requests, {int(a['prompt_tokens'])} prompt tokens "
-              f"({int(a['cached_tokens'])} cached), {int(a['completion_tokens'])} generated")
+    stats = client.engine.stats()
+    print(f"\nengine: {stats['model']} on {stats['device']}, reuse={stats['reuse']}, edges={stats['edges']}")
+    print(f"{'agent':<12}{'requests':>9}{'prompt':>8}{'cached':>8}{'reused':>8}{'recomputed':>11}{'new':>6}")
+    for name, a in stats["agents"].items():
+        print(f"{name:<12}{int(a['requests']):>9}{int(a['prompt_tokens']):>8}{int(a['cached_tokens']):>8}"
+              f"{int(a['reused_tokens']):>8}{int(a['recomputed_tokens']):>11}{int(a['completion_tokens']):>6}")
     await client.close()
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--reuse", default=None, choices=["none", "prefix", "naive", "kvcmas"],
+                        help="KV reuse mode (default: kvcmas)")
     args = parser.parse_args()
-    asyncio.run(main(args.max_tokens))
+    asyncio.run(main(args.max_tokens, args.reuse))

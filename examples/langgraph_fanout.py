@@ -1,10 +1,13 @@
 """Fan-out with LangGraph ``Send``: parallel experts, then a summarizer, on one embedded kvcmas engine.
 
-    python examples/langgraph_fanout.py [--max-tokens 48]
+    python examples/langgraph_fanout.py [--max-tokens 48] [--reuse kvcmas]
 
 The experts run as parallel branches of one superstep. Their requests reach the shared engine at
 the same time and decode together in the same forward steps; ``max_batch_seqs`` in the engine
-stats shows how many sequences one step carried.
+stats shows how many sequences one step carried. The summarizer's prompt repeats the question
+message every expert saw; with the default reuse="kvcmas" it reuses the KV the experts computed for
+that message instead of prefilling it again (the "reused" column; the experts themselves prefill it
+side by side in one step, so they have nothing to reuse).
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ def build_graph(llm: ChatKVCMAS) -> StateGraph:
     async def summarizer(state: Panel) -> dict:
         notes = "\n".join(state["answers"])
         reply = await llm.ainvoke([SystemMessage("You summarize expert advice in two sentences."),
-                                   HumanMessage(f"Question: {state['question']}\n\nAdvice:\n{notes}")])
+                                   HumanMessage(state["question"]), HumanMessage(f"Advice:\n{notes}")])
         return {"summary": reply.content.strip()}
 
     graph = StateGraph(Panel)
@@ -63,8 +66,8 @@ def build_graph(llm: ChatKVCMAS) -> StateGraph:
     return graph
 
 
-async def main(max_tokens: int) -> None:
-    llm = ChatKVCMAS(max_tokens=max_tokens)
+async def main(max_tokens: int, reuse: str | None) -> None:
+    llm = ChatKVCMAS(max_tokens=max_tokens, reuse=reuse)
     compiled = build_graph(llm).compile()
     register_graph(compiled, llm)
     out = await compiled.ainvoke({"question": QUESTION, "answers": []})
@@ -73,15 +76,18 @@ async def main(max_tokens: int) -> None:
 
     stats = llm.get_engine().stats()
     batched = "the experts ran batched" if stats["max_batch_seqs"] > 1 else "no batching happened"
-    print(f"\nengine: {stats['model']} on {stats['device']}; {stats['steps']} forward steps, "
-          f"up to {stats['max_batch_seqs']} sequences in one step ({batched})")
-    print(f"{'agent':<20}{'prompt':>8}{'new':>6}{'ttft_s':>8}")
+    print(f"\nengine: {stats['model']} on {stats['device']}, reuse={stats['reuse']}; {stats['steps']} forward "
+          f"steps, up to {stats['max_batch_seqs']} sequences in one step ({batched})")
+    print(f"{'agent':<20}{'prompt':>8}{'cached':>8}{'reused':>8}{'recomputed':>11}{'new':>6}{'ttft_s':>8}")
     for name, a in stats["agents"].items():
-        print(f"{name:<20}{int(a['prompt_tokens']):>8}{int(a['completion_tokens']):>6}"
-              f"{a.get('ttft_s_mean', 0.0):>8.2f}")
+        print(f"{name:<20}{int(a['prompt_tokens']):>8}{int(a['cached_tokens']):>8}{int(a['reused_tokens']):>8}"
+              f"{int(a['recomputed_tokens']):>11}{int(a['completion_tokens']):>6}{a.get('ttft_s_mean', 0.0):>8.2f}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=48)
-    asyncio.run(main(parser.parse_args().max_tokens))
+    parser.add_argument("--reuse", default=None, choices=["none", "prefix", "naive", "kvcmas"],
+                        help="KV reuse mode (default: kvcmas)")
+    args = parser.parse_args()
+    asyncio.run(main(args.max_tokens, args.reuse))

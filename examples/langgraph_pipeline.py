@@ -5,8 +5,10 @@
 Every node calls the same ChatKVCMAS with its own system prompt in front of the shared
 MessagesState history (other agents' replies shown as user turns headed with their name). The
 engine names each request after the LangGraph node that made it, so the per-agent table at the end
-needs no per-agent setup; from round 2 on each agent's prompt starts with its round-1 prompt, which
-its prefix cache serves.
+needs no per-agent setup. With the default reuse="kvcmas", a message that an earlier agent already
+prefilled is served from that agent's KV (the "reused" column; "recomputed" counts the reused rows
+recomputed to correct them); from round 2 on each agent's prompt also starts with its round-1
+prompt, which its prefix cache serves ("cached"). Compare with ``--reuse prefix``.
 """
 from __future__ import annotations
 
@@ -59,12 +61,14 @@ def build_graph(llm: ChatKVCMAS, rounds: int) -> StateGraph:
 
 
 def print_agent_stats(stats: dict) -> None:
-    """One line per agent: requests, prompt/cached/reused/generated tokens and mean TTFT."""
+    """One line per agent: requests, prompt/cached/reused/recomputed/generated tokens and mean TTFT."""
     print(f"\nengine: {stats['model']} on {stats['device']}, reuse={stats['reuse']}, edges={stats['edges']}")
-    print(f"{'agent':<10}{'requests':>9}{'prompt':>8}{'cached':>8}{'reused':>8}{'new':>6}{'ttft_s':>8}")
+    print(f"{'agent':<10}{'requests':>9}{'prompt':>8}{'cached':>8}{'reused':>8}{'recomputed':>11}{'new':>6}"
+          f"{'ttft_s':>8}")
     for name, a in stats["agents"].items():
         print(f"{name:<10}{int(a['requests']):>9}{int(a['prompt_tokens']):>8}{int(a['cached_tokens']):>8}"
-              f"{int(a.get('reused_tokens', 0)):>8}{int(a['completion_tokens']):>6}{a.get('ttft_s_mean', 0.0):>8.2f}")
+              f"{int(a['reused_tokens']):>8}{int(a['recomputed_tokens']):>11}{int(a['completion_tokens']):>6}"
+              f"{a.get('ttft_s_mean', 0.0):>8.2f}")
 
 
 async def main(rounds: int, max_tokens: int, reuse: str | None) -> None:
@@ -75,8 +79,10 @@ async def main(rounds: int, max_tokens: int, reuse: str | None) -> None:
         for node, change in update.items():
             reply = change["messages"][-1]
             usage = reply.usage_metadata
-            print(f"--- {node} (ttft {reply.response_metadata['ttft_s']:.2f}s, cache read "
-                  f"{usage['input_token_details']['cache_read']}/{usage['input_tokens']} prompt tokens)")
+            meta = reply.response_metadata
+            print(f"--- {node} (ttft {meta['ttft_s']:.2f}s, cache read "
+                  f"{usage['input_token_details']['cache_read']}/{usage['input_tokens']} prompt tokens: "
+                  f"{meta['cached_tokens']} cached, {meta['reused_tokens']} reused from other agents)")
             print(reply.content.strip(), "\n")
     print_agent_stats(llm.get_engine().stats())
 
@@ -85,6 +91,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--reuse", default=None, help="engine reuse mode (default: the engine's)")
+    parser.add_argument("--reuse", default=None, choices=["none", "prefix", "naive", "kvcmas"],
+                        help="KV reuse mode (default: kvcmas)")
     args = parser.parse_args()
     asyncio.run(main(args.rounds, args.max_tokens, args.reuse))

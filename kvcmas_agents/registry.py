@@ -8,6 +8,9 @@ from typing import Any
 from .engine import Engine, EngineConfig
 from .engine.config import DEFAULT_MODEL
 
+ADAPTER_REUSE = "kvcmas"
+"""Reuse mode the framework adapters create a shared engine with when the user names none."""
+
 _engines: dict[str, Engine] = {}
 _lock = threading.Lock()
 

@@ -7,12 +7,12 @@
     register_team(team)                          # tell the engine the speaking order
 
 Inside a team, each request is attributed to the participant that made it (its AgentChat name), so
-``engine.stats()["agents"]`` reports per-agent usage without any per-agent configuration.
+``engine.stats()["agents"]`` reports per-agent usage without any per-agent configuration. The shared
+engine runs ``reuse="kvcmas"`` by default, so agents reuse the KV of messages other agents prefilled.
 """
 from __future__ import annotations
 
 import asyncio
-import warnings
 from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Literal, Mapping, Optional, Sequence, Union
 
@@ -25,8 +25,8 @@ from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel
 from typing_extensions import Self
 
-from ..engine import Engine, EngineError, RequestOutput, SamplingParams
-from ..registry import get_engine
+from ..engine import Engine, EngineError, RequestOutput, ReuseOptions, SamplingParams
+from ..registry import ADAPTER_REUSE, get_engine
 from ._autogen_convert import (
     ToolCallFilter, json_instruction, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
     with_instruction,
@@ -36,6 +36,7 @@ from ._autogen_team import current_agent_name, team_edges, team_engine
 __all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]
 
 _SAMPLING_ARGS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop")
+_REUSE_ARGS = ("reuse", "recompute_ratio", "rank", "reference")
 _DONE = object()
 
 
@@ -51,6 +52,9 @@ class KVCMASClientConfig(BaseModel):
     stop: Optional[list[str]] = None
     agent: Optional[str] = None
     reuse: Optional[str] = None
+    recompute_ratio: Optional[float] = None
+    rank: Optional[int] = None
+    reference: Optional[str] = None
     model_info: Optional[ModelInfo] = None
 
 
@@ -61,6 +65,7 @@ class _Prepared:
     tool_choice: str | None
     sampling: SamplingParams
     agent: str
+    reuse_options: ReuseOptions
 
 
 class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
@@ -73,7 +78,10 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
             may override them per call.
         agent: the agent name to report when not called from inside an AutoGen message handler
             (inside one, the handler's agent name wins; ``extra_create_args={"agent": ...}`` beats both).
-        reuse: the engine's reuse mode, applied only if this client is the one that creates the engine.
+        reuse: KV reuse mode for this client's requests ("none", "prefix", "naive", "kvcmas"; None: the
+            engine's). A shared engine this client creates runs ``reuse`` or, if None, "kvcmas".
+        recompute_ratio, rank, reference: KVCMAS knobs for this client's requests (None: the engine's).
+            ``extra_create_args`` may override any of the four per call.
         engine: use this engine instead of the shared one.
         model_info: override the reported ModelInfo.
     """
@@ -84,7 +92,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
 
     def __init__(self, model: str | None = None, *, temperature: float = 0.0, max_tokens: int = 256,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
-                 agent: str | None = None, reuse: str | None = None, engine: Engine | None = None,
+                 agent: str | None = None, reuse: str | None = None, recompute_ratio: float | None = None,
+                 rank: int | None = None, reference: str | None = None, engine: Engine | None = None,
                  model_info: ModelInfo | None = None) -> None:
         self._defaults = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                         top_k=top_k, seed=seed, stop=list(stop or []))
@@ -93,7 +102,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
             raise ValueError("agent must be a non-empty string")
         self._model = model if model is not None or engine is None else engine.config.model
         self._agent = agent
-        self._reuse = reuse
+        self._reuse = ReuseOptions(reuse, recompute_ratio, rank, reference)
+        self._reuse.validate()
         self._engine = engine
         self._model_info: ModelInfo = model_info or {
             "vision": False, "function_calling": True, "json_output": True,
@@ -110,12 +120,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
     def engine(self) -> Engine:
         """The engine serving this client (the shared one is created on first use)."""
         if self._engine is None:
-            overrides = {"reuse": self._reuse} if self._reuse else {}
-            self._engine = get_engine(self._model, **overrides)
-            if self._reuse and self._engine.config.reuse != self._reuse:
-                warnings.warn(f"shared engine for {self._model or 'the default model'} already runs with "
-                              f"reuse={self._engine.config.reuse!r}; reuse={self._reuse!r} is ignored",
-                              stacklevel=2)
+            self._engine = get_engine(self._model, reuse=self._reuse.reuse or ADAPTER_REUSE)
         return self._engine
 
     # --- requests -----------------------------------------------------------------------------
@@ -132,7 +137,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         """Run one request to completion; cancelling the token aborts it in the engine."""
         req = self._prepare(messages, tools, tool_choice, json_output, extra_create_args)
         task = asyncio.ensure_future(self.engine.generate(
-            req.messages, agent=req.agent, sampling=req.sampling, tools=req.tools, tool_choice=req.tool_choice))
+            req.messages, agent=req.agent, sampling=req.sampling, tools=req.tools, tool_choice=req.tool_choice,
+            reuse_options=req.reuse_options))
         if cancellation_token is not None:
             cancellation_token.link_future(task)
         out = await task
@@ -158,7 +164,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         # One pump task per request, so that a single link to the token can abort the whole stream.
         async def pump() -> None:
             async for delta in self.engine.stream(req.messages, agent=req.agent, sampling=req.sampling,
-                                                  tools=req.tools, tool_choice=req.tool_choice):
+                                                  tools=req.tools, tool_choice=req.tool_choice,
+                                                  reuse_options=req.reuse_options):
                 queue.put_nowait(delta)
 
         task = asyncio.ensure_future(pump())
@@ -188,22 +195,25 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
     def _prepare(self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema],
                  tool_choice: Tool | str, json_output: bool | type[BaseModel] | None,
                  extra: Mapping[str, Any]) -> _Prepared:
-        unknown = set(extra) - {*_SAMPLING_ARGS, "agent"}
+        unknown = set(extra) - {*_SAMPLING_ARGS, *_REUSE_ARGS, "agent"}
         if unknown:
             raise ValueError(f"unsupported extra_create_args {sorted(unknown)}; "
-                             f"supported: {', '.join((*_SAMPLING_ARGS, 'agent'))}")
+                             f"supported: {', '.join((*_SAMPLING_ARGS, *_REUSE_ARGS, 'agent'))}")
         if json_output is not None and not isinstance(json_output, bool) and not (
                 isinstance(json_output, type) and issubclass(json_output, BaseModel)):
             raise ValueError("json_output must be None, a bool, or a pydantic BaseModel subclass")
         sampling = SamplingParams(**{k: extra.get(k, getattr(self._defaults, k)) for k in _SAMPLING_ARGS})
         sampling.validate()
+        reuse_options = ReuseOptions(**{k: extra.get(k, getattr(self._reuse, k)) for k in _REUSE_ARGS})
+        reuse_options.validate()
         engine_tools = to_engine_tools(tools)
         choice = to_engine_tool_choice(tool_choice, engine_tools)
         if choice == "none":   # the model cannot call what it is not shown
             engine_tools, choice = [], "auto"
         msgs = with_instruction(to_engine_messages(messages), json_instruction(json_output))
         agent = extra.get("agent") or current_agent_name() or self._agent or "default"
-        return _Prepared(msgs, engine_tools or None, choice if engine_tools else None, sampling, agent)
+        return _Prepared(msgs, engine_tools or None, choice if engine_tools else None, sampling, agent,
+                         reuse_options)
 
     def _finish(self, out: RequestOutput, json_output: bool | type[BaseModel] | None) -> CreateResult:
         result = to_create_result(out, json_output)
@@ -247,7 +257,9 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         d = self._defaults
         return KVCMASClientConfig(model=self._model, temperature=d.temperature, max_tokens=d.max_tokens,
                                   top_p=d.top_p, top_k=d.top_k, seed=d.seed, stop=list(d.stop) or None,
-                                  agent=self._agent, reuse=self._reuse, model_info=self._model_info)
+                                  agent=self._agent, reuse=self._reuse.reuse,
+                                  recompute_ratio=self._reuse.recompute_ratio, rank=self._reuse.rank,
+                                  reference=self._reuse.reference, model_info=self._model_info)
 
     @classmethod
     def _from_config(cls, config: KVCMASClientConfig) -> Self:
@@ -260,14 +272,14 @@ def register_team(team: Any, model_or_engine: str | Engine | None = None) -> lis
     RoundRobinGroupChat gives the cycle a→b→c→a; GraphFlow its DiGraph edges; SelectorGroupChat
     (and other group chats) the participant-order cycle, an approximation since the speaker is
     chosen at run time. The engine is ``model_or_engine`` if given, else the one behind the first
-    participant using a KVCMASClient, else the shared default engine.
+    participant using a KVCMASClient, else the shared default engine (created with reuse="kvcmas").
     """
     edges = team_edges(team)
     if isinstance(model_or_engine, Engine):
         engine = model_or_engine
     elif model_or_engine is not None:
-        engine = get_engine(model_or_engine)
+        engine = get_engine(model_or_engine, reuse=ADAPTER_REUSE)
     else:
-        engine = team_engine(team) or get_engine(None)
+        engine = team_engine(team) or get_engine(None, reuse=ADAPTER_REUSE)
     engine.set_edges(edges)
     return edges

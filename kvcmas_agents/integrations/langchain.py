@@ -12,17 +12,18 @@ from langchain_core.runnables import Runnable
 from langchain_core.runnables.config import ensure_config
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
-from ..engine import Engine, SamplingParams
+from ..engine import Engine, ReuseOptions, SamplingParams
 from ..engine.config import DEFAULT_MODEL
-from ..registry import get_engine
+from ..registry import ADAPTER_REUSE, get_engine
 from . import _lc_messages as conv
 from . import _lc_structured as structured
 from ._lc_sync import iterate_sync
 
 DEFAULT_AGENT = "default"
 _SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
+_REUSE_KEYS = ("reuse", "recompute_ratio", "rank", "reference")
 _IGNORED_KEYS = ("stream", "parallel_tool_calls", "strict")   # accepted for API compatibility; no effect
 
 
@@ -33,6 +34,10 @@ class ChatKVCMAS(BaseChatModel):
     the agents of a LangGraph or AutoGen workflow batch together and share KV cache. The agent
     name the engine accounts a call to is the LangGraph node running it (``langgraph_node``
     metadata), else ``agent``, else ``"default"``; ``llm.bind(agent=...)`` overrides both.
+
+    Agents reuse each other's KV: a shared engine created here runs ``reuse="kvcmas"`` unless
+    ``reuse`` says otherwise, and ``reuse``/``recompute_ratio``/``rank``/``reference`` (fields, or
+    ``llm.bind(...)`` per call) override the engine's setting for this model's requests.
 
     >>> llm = ChatKVCMAS(max_tokens=128)
     >>> await llm.ainvoke("Plan a CLI tool in three steps.")
@@ -54,9 +59,21 @@ class ChatKVCMAS(BaseChatModel):
     agent: str | None = None
     """Agent name when not running inside a LangGraph node."""
     reuse: str | None = None
-    """KV reuse mode for the engine, applied only if this instance creates it (None: engine default)."""
+    """KV reuse mode for this model's requests: "none", "prefix", "naive" or "kvcmas" (None: the
+    engine's; a shared engine this instance creates runs "kvcmas")."""
+    recompute_ratio: float | None = None
+    """KVCMAS: fraction of reused tokens recomputed (None: the engine's)."""
+    rank: int | None = None
+    """KVCMAS: SVD rank of each stored correction (None: the engine's)."""
+    reference: str | None = None
+    """KVCMAS: reference view, "home" or "chain" (None: the engine's)."""
     engine: Engine | None = Field(default=None, exclude=True, repr=False)
     """An explicit engine; overrides the shared registry engine."""
+
+    @model_validator(mode="after")
+    def _check_reuse_options(self) -> "ChatKVCMAS":
+        self._reuse_options({}).validate()
+        return self
 
     # --- LangChain metadata ------------------------------------------------------------------
     @property
@@ -67,7 +84,8 @@ class ChatKVCMAS(BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {"model": self.model or DEFAULT_MODEL, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "stop": self.stop, "agent": self.agent, "reuse": self.reuse}
+                "stop": self.stop, "agent": self.agent, "reuse": self.reuse,
+                "recompute_ratio": self.recompute_ratio, "rank": self.rank, "reference": self.reference}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider=conv.PROVIDER, ls_model_name=kwargs.get("model") or self.model
@@ -83,8 +101,7 @@ class ChatKVCMAS(BaseChatModel):
         """The engine this model runs on (created on first use). ``model`` overrides the field."""
         if self.engine is not None and (model is None or model == self.model):
             return self.engine
-        overrides = {"reuse": self.reuse} if self.reuse is not None else {}
-        return get_engine(model if model is not None else self.model, **overrides)
+        return get_engine(model if model is not None else self.model, reuse=self.reuse or ADAPTER_REUSE)
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage],
                                      tools: Sequence[Any] | None = None) -> int:
@@ -137,11 +154,16 @@ class ChatKVCMAS(BaseChatModel):
             tools, tool_choice = None, None
         instruction = structured.format_instruction(kwargs.pop("response_format", None))
         sampling = self._sampling(stop, {k: kwargs.pop(k) for k in _SAMPLING_KEYS if k in kwargs})
+        reuse_options = self._reuse_options({k: kwargs.pop(k) for k in _REUSE_KEYS if k in kwargs})
         if kwargs:
             raise TypeError(f"ChatKVCMAS got unexpected call arguments: {sorted(kwargs)}")
         engine_messages = structured.with_instruction(conv.to_engine_messages(messages), instruction)
         return engine, {"messages": engine_messages, "agent": agent, "sampling": sampling,
-                        "tools": tools, "tool_choice": tool_choice}
+                        "tools": tools, "tool_choice": tool_choice, "reuse_options": reuse_options}
+
+    def _reuse_options(self, overrides: dict[str, Any]) -> ReuseOptions:
+        """Per-request reuse knobs: call overrides, then fields; None leaves the engine's setting."""
+        return ReuseOptions(**{k: overrides.get(k, getattr(self, k)) for k in _REUSE_KEYS})
 
     def _sampling(self, stop: list[str] | None, overrides: dict[str, Any]) -> SamplingParams:
         merged = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))

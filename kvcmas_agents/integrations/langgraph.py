@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..engine import Engine
-from ..registry import get_engine
+from ..registry import ADAPTER_REUSE, get_engine
 
 _VIRTUAL = ("__start__", "__end__")
 
@@ -35,13 +35,13 @@ def register_graph(graph: Any, model_or_engine: Engine | str | Any | None = None
     """Register ``graph``'s node edges with the engine and return them.
 
     ``model_or_engine``: an ``Engine``, a model name for the shared registry engine (None: the
-    default model), or a ``ChatKVCMAS`` whose engine to use. Node names are the agent names the
-    engine sees from ``ChatKVCMAS`` calls made inside those nodes.
+    default model; created with reuse="kvcmas" if new), or a ``ChatKVCMAS`` whose engine to use.
+    Node names are the agent names the engine sees from ``ChatKVCMAS`` calls made inside those nodes.
     """
     if isinstance(model_or_engine, Engine):
         engine = model_or_engine
     elif model_or_engine is None or isinstance(model_or_engine, str):
-        engine = get_engine(model_or_engine)
+        engine = get_engine(model_or_engine, reuse=ADAPTER_REUSE)
     elif callable(getattr(model_or_engine, "get_engine", None)):
         engine = model_or_engine.get_engine()
     else:

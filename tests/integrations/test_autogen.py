@@ -25,10 +25,11 @@ from autogen_core.tools import FunctionTool
 from PIL import Image as PILImage
 from pydantic import BaseModel
 
-from kvcmas_agents import registry
+from kvcmas_agents import Engine, EngineConfig, ReuseOptions, registry
 from kvcmas_agents.engine.outputs import RequestOutput, Usage
 from kvcmas_agents.engine.tools import InvalidToolCall, ToolCall
 from kvcmas_agents.integrations import KVCMASClient, register_team
+from kvcmas_agents.integrations import autogen as autogen_module
 from kvcmas_agents.integrations._autogen_convert import (
     ToolCallFilter, clean_json, to_create_result, to_engine_messages,
 )
@@ -67,6 +68,14 @@ def weather_history() -> list:
 @pytest.fixture(scope="module")
 def engine(engine_prefix):
     return engine_prefix
+
+
+@pytest.fixture(scope="module")
+def kvcmas_engine():
+    """A fresh engine in cross-agent reuse mode, for the reuse tests."""
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    yield engine
+    engine.close()
 
 
 @pytest.fixture
@@ -159,19 +168,42 @@ async def test_multimodal_user_message_is_rejected(client):
 
 def test_component_round_trip(engine):
     original = KVCMASClient("smollm2-135m-instruct", engine=engine, temperature=0.5, max_tokens=32, top_k=5,
-                            seed=7, stop=["END"], agent="writer", reuse="prefix")
+                            seed=7, stop=["END"], agent="writer", reuse="naive", recompute_ratio=0.2, rank=8,
+                            reference="chain")
     dumped = original.dump_component()
     assert dumped.component_type == "model"
     assert dumped.provider == "kvcmas_agents.integrations.autogen.KVCMASClient"
     loaded = ChatCompletionClient.load_component(dumped)
     assert isinstance(loaded, KVCMASClient)
     assert loaded._to_config() == original._to_config()
+    assert loaded._reuse == ReuseOptions("naive", 0.2, 8, "chain")
     assert loaded.dump_component() == dumped
     assert loaded._engine is None     # the engine instance is not serialized; loading is lazy
     # Through an agent's config as well.
     agent = AssistantAgent("writer", model_client=original)
     again = AssistantAgent.load_component(agent.dump_component())
     assert again._model_client._to_config().max_tokens == 32
+
+
+def test_shared_engine_is_created_with_kvcmas_unless_reuse_is_set(engine, monkeypatch):
+    created: list[tuple] = []
+    monkeypatch.setattr(autogen_module, "get_engine", lambda model, **kw: created.append((model, kw)) or engine)
+    assert KVCMASClient().engine is engine
+    assert KVCMASClient("other-model", reuse="prefix").engine is engine
+    register_team(RoundRobinGroupChat([AssistantAgent("a", model_client=KVCMASClient(engine=engine)),
+                                       AssistantAgent("b", model_client=KVCMASClient(engine=engine))]), "m")
+    assert created == [(None, {"reuse": "kvcmas"}), ("other-model", {"reuse": "prefix"}), ("m", {"reuse": "kvcmas"})]
+
+
+def test_reuse_knobs_reach_each_request(engine):
+    client = KVCMASClient(engine=engine, reuse="naive", rank=4)
+    assert client._prepare(HELLO, [], "auto", None, {}).reuse_options == ReuseOptions("naive", None, 4, None)
+    per_call = client._prepare(HELLO, [], "auto", None, {"reuse": "kvcmas", "recompute_ratio": 0.5})
+    assert per_call.reuse_options == ReuseOptions("kvcmas", 0.5, 4, None)
+    with pytest.raises(ValueError, match="reuse must be"):
+        KVCMASClient(reuse="everything")
+    with pytest.raises(ValueError, match="reference"):
+        client._prepare(HELLO, [], "auto", None, {"reference": "nowhere"})
 
 
 # --- conversion units -----------------------------------------------------------------------------
@@ -275,6 +307,40 @@ async def test_round_robin_team_reports_participant_names(engine):
     assert all(d["requests"] == 1 and d["completion_tokens"] > 0 for d in delta.values())
     # Each later agent sees its predecessors' messages, so its prompt is longer.
     assert delta["planner"]["prompt_tokens"] < delta["coder"]["prompt_tokens"] < delta["reviewer"]["prompt_tokens"]
+
+
+async def run_round_robin(client: KVCMASClient, engine, task: str) -> dict[str, dict[str, float]]:
+    """planner -> coder -> reviewer, one turn each; returns each agent's change in engine stats."""
+    names = ["planner", "coder", "reviewer"]
+    agents = [AssistantAgent(n, model_client=client, system_message=f"You are the {n}. Be brief.") for n in names]
+    team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(4))
+    register_team(team)
+    before = engine.stats()["agents"]
+    result = await team.run(task=task)
+    assert [m.source for m in result.messages] == ["user", *names]
+    after = engine.stats()["agents"]
+    keys = ("requests", "reused_tokens", "recomputed_tokens")
+    return {n: {k: after[n][k] - before.get(n, {}).get(k, 0) for k in keys} for n in names}
+
+
+async def test_round_robin_later_agents_reuse_earlier_agents_kv(kvcmas_engine):
+    client = KVCMASClient(engine=kvcmas_engine, max_tokens=12)
+    delta = await run_round_robin(client, kvcmas_engine, "Plan a tiny hello-world script.")
+    assert all(d["requests"] == 1 for d in delta.values())
+    # Every agent sees the others' messages as user turns rendered alike: the coder reuses the task
+    # the planner prefilled; the reviewer also reuses the planner's reply, which the coder prefilled.
+    assert 0 < delta["coder"]["reused_tokens"] < delta["reviewer"]["reused_tokens"]
+    assert all(d["recomputed_tokens"] <= d["reused_tokens"] for d in delta.values())
+    last = client.last_output
+    assert last.agent == "reviewer" and last.reuse == "kvcmas"
+    assert last.usage.reused_tokens == delta["reviewer"]["reused_tokens"]
+
+
+async def test_round_robin_with_explicit_prefix_reuse_reuses_nothing(kvcmas_engine):
+    client = KVCMASClient(engine=kvcmas_engine, max_tokens=12, reuse="prefix")
+    delta = await run_round_robin(client, kvcmas_engine, "Plan a tiny goodbye-world script.")
+    assert all(d["requests"] == 1 and d["reused_tokens"] == 0 for d in delta.values())
+    assert client.last_output.reuse == "prefix" and client.last_output.usage.reused_tokens == 0
 
 
 async def test_graphflow_team_edges_and_run(engine):

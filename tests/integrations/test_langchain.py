@@ -19,6 +19,8 @@ from langchain_core.messages import (
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
+from kvcmas_agents import ReuseOptions
+from kvcmas_agents.integrations import langchain as lc_module
 from kvcmas_agents.integrations._lc_messages import ToolBlockFilter, to_engine_messages
 from kvcmas_agents.integrations.langchain import ChatKVCMAS
 from kvcmas_agents.registry import get_engine
@@ -257,6 +259,36 @@ def test_instances_share_the_registry_engine():
     assert a.get_engine() is b.get_engine() is get_engine()
     explicit = ChatKVCMAS(engine=a.get_engine())
     assert "engine" not in explicit.model_dump() and explicit._llm_type == "kvcmas"
+
+
+def test_shared_engine_is_created_with_kvcmas_unless_reuse_is_set(engine_prefix, monkeypatch):
+    created: list[dict] = []
+    monkeypatch.setattr(lc_module, "get_engine", lambda model, **kw: created.append(kw) or engine_prefix)
+    ChatKVCMAS().get_engine()
+    ChatKVCMAS(reuse="prefix").get_engine()
+    assert created == [{"reuse": "kvcmas"}, {"reuse": "prefix"}]
+
+
+async def test_reuse_knobs_apply_per_request(engine_prefix):
+    llm = ChatKVCMAS(engine=engine_prefix, max_tokens=4, agent="reuse-knobs", reuse="naive", recompute_ratio=0.5)
+    msgs = [HumanMessage("hi")]
+    assert llm._request(msgs, None, None, {})[1]["reuse_options"] == ReuseOptions("naive", 0.5, None, None)
+    assert llm._request(msgs, None, None, {"reuse": "kvcmas", "rank": 4})[1]["reuse_options"] == \
+        ReuseOptions("kvcmas", 0.5, 4, None)
+    with pytest.raises(ValueError, match="reuse must be"):
+        ChatKVCMAS(reuse="everything")
+    with pytest.raises(ValueError, match="recompute_ratio"):
+        ChatKVCMAS(recompute_ratio=2.0)
+
+    # On the prefix engine a repeated prompt is a cache hit, unless the request asks for no reuse.
+    plain = ChatKVCMAS(engine=engine_prefix, max_tokens=4, agent="reuse-knobs")
+    prompt = [SystemMessage("You are a terse assistant. " * 6), HumanMessage("Name a fruit.")]
+    await plain.ainvoke(prompt)
+    hit = await plain.ainvoke(prompt)
+    assert hit.response_metadata["reuse"] == "prefix" and hit.response_metadata["cached_tokens"] > 0
+    miss = await plain.bind(reuse="none").ainvoke(prompt)
+    assert miss.response_metadata["reuse"] == "none" and miss.response_metadata["cached_tokens"] == 0
+    assert miss.usage_metadata["input_token_details"]["cache_read"] == 0
 
 
 def test_token_counting_uses_the_chat_template(llm):

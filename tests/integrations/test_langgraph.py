@@ -9,7 +9,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, Sys
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.types import Send
 
-from kvcmas_agents import Engine, EngineConfig
+from kvcmas_agents import Engine, EngineConfig, registry
 from kvcmas_agents.integrations.langchain import ChatKVCMAS
 from kvcmas_agents.integrations.langgraph import graph_edges, register_graph
 
@@ -21,6 +21,14 @@ ROLES = {"planner": "You plan the work in short steps.", "coder": "You write Pyt
 def engine():
     """A fresh engine so that stats and edges belong to these tests only."""
     engine = Engine(EngineConfig(reuse="prefix"))
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def kvcmas_engine():
+    """A fresh engine in cross-agent reuse mode, for the reuse tests."""
+    engine = Engine(EngineConfig(reuse="kvcmas"))
     yield engine
     engine.close()
 
@@ -187,3 +195,55 @@ async def test_send_fanout_branches_batch_in_the_engine():
         assert set(stats["agents"]) == {*(f"expert_{e}" for e in experts), "summarizer"}
     finally:
         engine.close()
+
+
+# --- cross-agent KV reuse --------------------------------------------------------------------------
+def agent_deltas(engine: Engine, before: dict, key: str) -> dict[str, float]:
+    after = engine.stats()["agents"]
+    return {a: after[a][key] - before.get(a, {}).get(key, 0) for a in ROLES}
+
+
+async def test_default_chat_models_create_a_kvcmas_engine_and_later_agents_reuse(monkeypatch):
+    """Default ChatKVCMAS instances on a fresh registry: the engine runs kvcmas, and the coder and
+    reviewer reuse the KV of messages that the agents before them prefilled."""
+    monkeypatch.setattr(registry, "_engines", {})
+    llm = ChatKVCMAS(max_tokens=12)
+    engine = llm.get_engine()
+    try:
+        assert engine.config.reuse == "kvcmas" and engine is registry.get_engine()
+        compiled = pipeline(llm).compile()
+        assert register_graph(compiled) == [("planner", "coder"), ("coder", "reviewer")]
+        out = await compiled.ainvoke({"messages": [HumanMessage("Write a function that reverses a string.")]})
+        replies = {m.response_metadata["agent"]: m for m in out["messages"][1:]}
+        assert list(replies) == list(ROLES)
+        agents = engine.stats()["agents"]
+        assert agents["planner"]["reused_tokens"] == 0          # nothing was prefilled before it
+        for name in ("coder", "reviewer"):
+            meta, usage = replies[name].response_metadata, replies[name].usage_metadata
+            assert meta["reuse"] == "kvcmas"
+            assert agents[name]["reused_tokens"] == meta["reused_tokens"] > 0, name
+            assert 0 < meta["recomputed_tokens"] <= meta["reused_tokens"]
+            assert usage["input_token_details"]["cache_read"] == meta["cached_tokens"] + meta["reused_tokens"]
+        # The reviewer also reuses the planner's reply, as the coder's request prefilled it.
+        assert agents["reviewer"]["reused_tokens"] > agents["coder"]["reused_tokens"]
+    finally:
+        engine.close()
+
+
+async def test_explicit_engine_kvcmas_pipeline_reuses_and_prefix_override_does_not(kvcmas_engine):
+    task = {"messages": [HumanMessage("Write a function that counts vowels.")]}
+    compiled = pipeline(ChatKVCMAS(engine=kvcmas_engine, max_tokens=12)).compile()
+    before = kvcmas_engine.stats()["agents"]
+    await compiled.ainvoke(task)
+    reused = agent_deltas(kvcmas_engine, before, "reused_tokens")
+    assert reused["coder"] > 0 and reused["reviewer"] > 0
+
+    # reuse="prefix" on the same kvcmas engine applies per request: the same pipeline on a new task
+    # (which the engine's own mode would reuse across agents, as above) reuses nothing.
+    prefix = pipeline(ChatKVCMAS(engine=kvcmas_engine, max_tokens=12, reuse="prefix")).compile()
+    before = kvcmas_engine.stats()["agents"]
+    out = await prefix.ainvoke({"messages": [HumanMessage("Write a function that counts consonants.")]})
+    for m in out["messages"][1:]:
+        assert m.response_metadata["reuse"] == "prefix" and m.response_metadata["reused_tokens"] == 0
+    assert agent_deltas(kvcmas_engine, before, "reused_tokens") == {a: 0 for a in ROLES}
+    assert agent_deltas(kvcmas_engine, before, "requests") == {a: 1 for a in ROLES}
