@@ -1,4 +1,4 @@
-"""The ``kvcmas`` command: ``demo``, ``chat`` and ``info`` subcommands.
+"""The ``kvcmas`` command: ``demo``, ``chat``, ``info`` and ``fidelity`` subcommands.
 
 Add a subcommand by writing ``add_args(parser)`` and ``run(args) -> int`` functions and listing
 them in ``COMMANDS``.
@@ -13,6 +13,7 @@ from typing import Callable, NamedTuple
 from . import demo
 from .engine import Engine, EngineConfig, EngineError, InvalidRequestError, ModelNotFoundError, SamplingParams
 from .engine.loader import ensure_safetensors
+from .fidelity import cli as fidelity_cli
 
 
 class Command(NamedTuple):
@@ -97,6 +98,8 @@ COMMANDS: dict[str, Command] = {
     "demo": Command("run the planner -> coder -> reviewer -> tester pipeline", demo.add_arguments, demo.run),
     "chat": Command("one chat request; prints the reply and TTFT/tokens", _chat_args, run_chat),
     "info": Command("show the model, device, dtype, context and KV sizes", _add_model_args, run_info),
+    "fidelity": Command("measure each reuse mode's KL and greedy agreement against exact prefill",
+                        fidelity_cli.add_args, fidelity_cli.run),
 }
 
 

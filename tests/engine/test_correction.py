@@ -6,14 +6,10 @@ import torch
 
 from kvcmas_agents import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.engine import ReuseOptions
+from kvcmas_agents.fidelity import CSV_SYSTEM as SYSTEM
+from kvcmas_agents.fidelity import CSV_TASK as TASK
+from kvcmas_agents.fidelity import kl
 
-SYSTEM = {
-    "planner": "You are the planner. Break the task into clear numbered steps.",
-    "coder": "You are an expert Python programmer. Write clean, correct code.",
-    "reviewer": "You are a strict code reviewer. Point out bugs and risks.",
-}
-TASK = ("Write a Python function that parses a CSV file of sales records (date, region, amount) and returns "
-        "total sales per region, sorted descending. Handle missing values and malformed rows gracefully.")
 FIRST = SamplingParams(max_tokens=1, return_logits=True)
 
 
@@ -22,11 +18,6 @@ def engine():
     eng = Engine(EngineConfig(reuse="none"))
     yield eng
     eng.close()
-
-
-def kl(ref: torch.Tensor, other: torch.Tensor) -> float:
-    lp, lq = torch.log_softmax(ref, -1), torch.log_softmax(other, -1)
-    return float((lp.exp() * (lp - lq)).sum())
 
 
 async def conversation(engine: Engine, turns: int = 3) -> list[dict]:
@@ -152,3 +143,20 @@ async def test_new_text_between_reused_segments(engine):
     # By now the system prompt and the middle message have home views too (from r5).
     assert default.usage.reused_tokens + default.usage.cached_tokens > full.usage.reused_tokens
     assert kl(exact.logits[0], default.logits[0]) < 0.05
+
+
+async def test_query_and_gather_view_paths_agree():
+    history = [{"role": "user", "content": TASK}, {"role": "user", "content": "[planner] 1. Read the file. 2. Sum."}]
+    outs = []
+    for path in ("gather", "query"):
+        eng = Engine(EngineConfig(reuse="kvcmas", view_path=path))
+        try:
+            await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
+            outs.append(await eng.generate(prompt("coder", history), agent="coder",
+                                           sampling=SamplingParams(max_tokens=4, return_logits=True)))
+        finally:
+            await eng.aclose()
+    assert outs[0].usage.reused_tokens == outs[1].usage.reused_tokens > 0
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(outs[0].logits, outs[1].logits):
+        assert torch.allclose(a, b, atol=1e-3)

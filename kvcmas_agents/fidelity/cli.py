@@ -1,0 +1,67 @@
+"""``kvcmas fidelity`` / ``python -m benchmarks.fidelity``: options, run, write and print the report."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from ..engine import ReuseOptions
+from ..engine.config import REFERENCES, REUSE_MODES
+from .harness import SweepGrid, run_fidelity
+from .report import history_table, summary_table, sweep_table, write_report
+from .scenarios import DEFAULT_SCENARIOS, SCENARIOS, get_scenario
+
+# Quick mode: one round per scenario, short replies, a 3-point sweep (about 3 minutes on 2 CPU cores).
+QUICK = {"reply_tokens": 32, "eval_tokens": 16, "ratios": (0.1, 0.3, 1.0), "ranks": (16,)}
+# Full mode: 96-token replies grow every shared history past 1,000 tokens; the sweep leaves out 0.75 to
+# stay near 20 minutes (``--sweep-ratios`` adds it back).
+FULL = {"reply_tokens": 96, "eval_tokens": 64, "ratios": (0.1, 0.2, 0.3, 0.5, 1.0), "ranks": SweepGrid.ranks}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from ..demo import device_arg
+    parser.add_argument("--quick", action="store_true", help="one round per scenario, short replies, small sweep")
+    parser.add_argument("--scenarios", nargs="+", default=list(DEFAULT_SCENARIOS), choices=sorted(SCENARIOS))
+    parser.add_argument("--modes", nargs="+", default=["naive", "kvcmas", "prefix"], choices=REUSE_MODES,
+                        help="reuse modes compared with the exact run (prefix is an exact sanity row)")
+    parser.add_argument("--reply-tokens", type=int, default=None, help="greedy reply length (96; quick 32)")
+    parser.add_argument("--eval-tokens", type=int, default=None,
+                        help="teacher-forced continuation length (64; quick 16)")
+    parser.add_argument("--recompute-ratio", type=float, default=None, help="kvcmas knob (engine default)")
+    parser.add_argument("--rank", type=int, default=None, help="kvcmas knob (engine default)")
+    parser.add_argument("--reference", choices=REFERENCES, default=None, help="kvcmas knob (engine default)")
+    parser.add_argument("--sweep-scenario", default=None, help="scenario of the sweep (default: the first)")
+    parser.add_argument("--sweep-ratios", type=float, nargs="+", default=None)
+    parser.add_argument("--sweep-ranks", type=int, nargs="+", default=None)
+    parser.add_argument("--sweep-eval-tokens", type=int, default=8)
+    parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/fidelity", help="output folder")
+    parser.add_argument("--model", default=None, help="local checkpoint dir or .gguf (default: SmolLM2-135M)")
+    parser.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, cuda, cuda:N")
+
+
+def run(args: argparse.Namespace) -> int:
+    preset = QUICK if args.quick else FULL
+    scenarios = [get_scenario(name, quick=args.quick) for name in args.scenarios]
+    sweep = None if args.no_sweep else SweepGrid(
+        args.sweep_scenario or args.scenarios[0], tuple(args.sweep_ratios or preset["ratios"]),
+        tuple(args.sweep_ranks or preset["ranks"]), args.sweep_eval_tokens)
+    if sweep and sweep.scenario not in args.scenarios:
+        raise ValueError(f"--sweep-scenario {sweep.scenario!r} is not among --scenarios")
+    result = asyncio.run(run_fidelity(
+        scenarios, modes=tuple(args.modes),
+        knobs=ReuseOptions(recompute_ratio=args.recompute_ratio, rank=args.rank, reference=args.reference),
+        reply_tokens=args.reply_tokens or preset["reply_tokens"], eval_tokens=args.eval_tokens or preset["eval_tokens"],
+        sweep=sweep, model=args.model, device=args.device))
+    result["config"]["quick"] = args.quick
+    paths = write_report(result, args.out)
+    print(summary_table(result), "", history_table(result), sep="\n")
+    if result.get("sweep"):
+        print("", sweep_table(result["sweep"]), sep="\n")
+    print(f"\n{result['timing']['total_s']:.0f} s; wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fidelity", description="Fidelity of cross-agent KV reuse vs exact prefill")
+    add_args(parser)
+    return run(parser.parse_args(argv))
