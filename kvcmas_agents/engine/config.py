@@ -40,7 +40,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_context: int | None = None
     cache_dir: str | None = None
-    recompute_ratio: float = 0.3
+    recompute_ratio: float = 0.5
     rank: int = 16
     reference: str = "home"
     view_path: str = "gather"          # torch attention over corrected views: "gather" or "query"
