@@ -95,13 +95,18 @@ def timing_table(result: dict[str, Any]) -> str:
 def markdown(result: dict[str, Any]) -> str:
     """The whole report: summary, shared-history sizes, sweep, per-turn table."""
     c = result["config"]
+    knobs = next((m["stats"] for s in result["scenarios"].values() for name, m in s["modes"].items()
+                  if name == "kvcmas"), None)
+    knob_line = (f" kvcmas knobs: recompute_ratio {knobs['recompute_ratio']}, rank {knobs['rank']}, reference "
+                 f"{knobs['reference']}." if knobs else "")
     parts = [
         "# Fidelity of cross-agent KV reuse",
-        f"Model `{c.get('model_name', c['model'])}` on {c.get('device_used', c['device'])}; greedy replies of up to {c['reply_tokens']} "
-        f"tokens; KL in nats against an exact `reuse=\"none\"` prefill of the same prompt, teacher-forced on "
-        f"the exact greedy continuation. Means are over the later turns (after the first turn group), the ones "
-        f"that can reuse other agents' KV. *reused*: prompt tokens taken from other agents' views; *not "
-        f"prefilled*: reused plus exact own-context tokens. Total time {result['timing']['total_s']:.0f} s.",
+        f"Model `{c.get('model_name', c['model'])}` on {c.get('device_used', c['device'])}; greedy replies of up "
+        f"to {c['reply_tokens']} tokens; KL in nats against an exact `reuse=\"none\"` prefill of the same "
+        f"prompt, teacher-forced on the exact greedy continuation. Means are over the later turns (after the "
+        f"first turn group), the ones that can reuse other agents' KV. *reused*: prompt tokens taken from other "
+        f"agents' views; *not prefilled*: reused plus exact own-context tokens.{knob_line} Total time "
+        f"{result['timing']['total_s']:.0f} s.",
         "## Summary", summary_table(result),
         "## Shared history (tokens)", history_table(result)]
     if result.get("sweep"):
