@@ -1,4 +1,4 @@
-"""The ``kvcmas`` command: ``demo``, ``chat``, ``info`` and ``fidelity`` subcommands.
+"""The ``kvcmas`` command: ``demo``, ``engine-demo``, ``chat``, ``info`` and ``fidelity`` subcommands.
 
 Add a subcommand by writing ``add_args(parser)`` and ``run(args) -> int`` functions and listing
 them in ``COMMANDS``.
@@ -10,7 +10,8 @@ import asyncio
 import sys
 from typing import Callable, NamedTuple
 
-from . import demo
+from .demos import engine_pipeline as demo
+from .demos import langgraph_pipeline
 from .engine import Engine, EngineConfig, EngineError, InvalidRequestError, ModelNotFoundError, SamplingParams
 from .engine.loader import ensure_safetensors
 from .fidelity import cli as fidelity_cli
@@ -95,7 +96,10 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Command] = {
-    "demo": Command("run the planner -> coder -> reviewer -> tester pipeline", demo.add_arguments, demo.run),
+    "demo": Command("run the LangGraph planner -> coder -> reviewer -> tester graph on one engine",
+                    langgraph_pipeline.add_arguments, langgraph_pipeline.run),
+    "engine-demo": Command("the same pipeline on the engine API directly (no framework)",
+                           demo.add_arguments, demo.run),
     "chat": Command("one chat request; prints the reply and TTFT/tokens", _chat_args, run_chat),
     "info": Command("show the model, device, dtype, context and KV sizes", _add_model_args, run_info),
     "fidelity": Command("measure each reuse mode's KL and greedy agreement against exact prefill",
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ModelNotFoundError, InvalidRequestError, ValueError) as exc:
+    except (ModelNotFoundError, InvalidRequestError, ValueError, ImportError) as exc:
         print(f"kvcmas: error: {exc}", file=sys.stderr)
         return 2
     except EngineError as exc:

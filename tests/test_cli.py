@@ -5,7 +5,8 @@ import pytest
 
 from kvcmas_agents import Engine, EngineConfig
 from kvcmas_agents.cli import COMMANDS, main
-from kvcmas_agents.demo import ORDER, build_messages, format_table, run_pipeline
+from kvcmas_agents.demos.engine_pipeline import ORDER, build_messages, format_table, run_pipeline
+from kvcmas_agents.demos.langgraph_pipeline import ROLES
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +18,7 @@ def engine():
 
 
 def test_commands_registered():
-    assert {"demo", "chat", "info"} <= set(COMMANDS)
+    assert {"demo", "engine-demo", "chat", "info", "fidelity"} <= set(COMMANDS)
 
 
 def test_chat(capsys):
@@ -42,12 +43,23 @@ def test_info(capsys):
     assert "smollm2" in out.lower()
 
 
-def test_demo_cli(capsys):
-    assert main(["demo", "--rounds", "1", "--max-tokens", "16", "--device", "cpu"]) == 0
+def test_engine_demo_cli(capsys):
+    assert main(["engine-demo", "--rounds", "1", "--max-tokens", "16", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     for agent in ORDER:
         assert agent in out
     assert "TTFT ms" in out and "KV cache" in out and "prefix hits" in out
+
+
+def test_demo_runs_the_langgraph_graph_with_cross_agent_reuse(capsys):
+    assert main(["demo", "--rounds", "1", "--max-tokens", "8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for node in ROLES:
+        assert f"--- {node} (" in out
+    assert "reuse=kvcmas" in out and "('planner', 'coder')" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in [[n] for n in ROLES]}
+    assert int(rows["planner"][4]) == 0                      # the first agent reuses nobody
+    assert all(int(rows[n][4]) > 0 for n in ("coder", "reviewer", "tester"))
 
 
 def test_missing_model_is_clean(capsys):

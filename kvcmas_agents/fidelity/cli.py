@@ -18,7 +18,7 @@ FULL = {"reply_tokens": 96, "eval_tokens": 64, "ratios": (0.1, 0.2, 0.3, 0.5, 1.
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    from ..demo import device_arg
+    from ..demos.engine_pipeline import device_arg
     parser.add_argument("--quick", action="store_true", help="one round per scenario, short replies, small sweep")
     parser.add_argument("--scenarios", nargs="+", default=list(DEFAULT_SCENARIOS), choices=sorted(SCENARIOS))
     parser.add_argument("--modes", nargs="+", default=["naive", "kvcmas", "prefix"], choices=REUSE_MODES,

@@ -1,7 +1,7 @@
 """The prose of the fidelity scenarios: system prompts, opening tasks and moderator hand-offs (data only).
 
 The default model is small (135M): it answers short, concrete requests well and falls into repetition
-loops on long, vague ones, so every turn is handed over with a direct request, as in ``kvcmas demo``.
+loops on long, vague ones, so every turn is handed over with a direct request, as in ``kvcmas engine-demo``.
 """
 from __future__ import annotations
 

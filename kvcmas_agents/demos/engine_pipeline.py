@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 import torch
 
-from .engine import Engine, EngineConfig, InvalidRequestError, ModelNotFoundError, SamplingParams
-from .engine.config import REUSE_MODES
+from ..engine import Engine, EngineConfig, InvalidRequestError, ModelNotFoundError, SamplingParams
+from ..engine.config import REUSE_MODES
 
 
 @dataclass(frozen=True)
