@@ -63,10 +63,24 @@ class LowRankDelta:
 
 
 def _truncated(d: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched truncated SVD of d [..., R, D] -> (U * S [..., R, r], Vh [..., r, D])."""
-    u, s, vh = torch.linalg.svd(d.float(), full_matrices=False)
-    r = min(rank, s.shape[-1])
-    return (u[..., :r] * s[..., None, :r]).to(dtype), vh[..., :r, :].to(dtype)
+    """Batched truncated SVD of d [..., R, D] -> (U * S [..., R, r], Vh [..., r, D]).
+
+    Computed from the eigendecomposition of the smaller Gram matrix (d^T d or d d^T, in fp64): for the
+    small matrices here that is several times faster than ``torch.linalg.svd`` and, in fp64, as accurate
+    for the leading components that are kept.
+    """
+    rows, dim = d.shape[-2], d.shape[-1]
+    r = min(rank, rows, dim)
+    if r == 0:
+        return d.new_zeros(*d.shape[:-1], 0, dtype=dtype), d.new_zeros(*d.shape[:-2], 0, dim, dtype=dtype)
+    x = d.double()
+    if rows >= dim:
+        _, vecs = torch.linalg.eigh(x.transpose(-1, -2) @ x)          # ascending eigenvalues
+        v = vecs[..., -r:].flip(-1)                                     # [..., D, r], leading first
+        return (x @ v).to(dtype), v.transpose(-1, -2).to(dtype)
+    _, vecs = torch.linalg.eigh(x @ x.transpose(-1, -2))
+    u = vecs[..., -r:].flip(-1)                                         # [..., R, r]
+    return u.to(dtype), (u.transpose(-1, -2) @ x).to(dtype)
 
 
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
