@@ -21,7 +21,7 @@ class SeqSlice:
     gather: torch.Tensor | None       # slot indices of all context_len tokens, in order
     pieces: list | None = None        # view-attention pieces instead of gather (cross-agent reuse)
     q_positions: torch.Tensor | None = None
-    view: object | None = None        # a GatheredView of the pieces (fast torch path)
+    view: object | None = None        # a GatheredView (torch) or ViewDescriptor (Triton) of the pieces
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -54,8 +54,11 @@ class PagedAttention:
     def _one(self, layer: int, s: SeqSlice, q: torch.Tensor) -> torch.Tensor:
         kc, vc = self.store.k[layer], self.store.v[layer]
         if s.view is not None:
-            from .view_gather import gathered_attention
-            return gathered_attention(q, s.view, kc, vc, layer, self.scale)
+            from .view_gather import GatheredView, gathered_attention
+            if isinstance(s.view, GatheredView):
+                return gathered_attention(q, s.view, kc, vc, layer, self.scale)
+            from .view_pack import packed_attention        # a kernel descriptor (view_path="triton")
+            return packed_attention(q, s.q_positions, s.view, kc, vc, layer, self.scale)
         if s.pieces is not None:
             return view_attention(q, s.q_positions, s.pieces, kc, vc, layer, self.scale, self.realigner)
         return sdpa(q, kc[s.gather], vc[s.gather], self.scale)

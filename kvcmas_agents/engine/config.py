@@ -4,10 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-ReuseMode = Literal["none", "prefix", "naive", "kvcmas"]
-REUSE_MODES: tuple[str, ...] = ("none", "prefix", "naive", "kvcmas")
+ReuseMode = Literal["none", "prefix", "naive", "kvcmas", "cacheblend", "kvcomm"]
+REUSE_MODES: tuple[str, ...] = ("none", "prefix", "naive", "kvcmas", "cacheblend", "kvcomm")
+# Modes that reuse other agents' segment KV (RoPE-realigned home views).
+CROSS_AGENT_MODES: tuple[str, ...] = ("naive", "kvcmas", "cacheblend", "kvcomm")
+# Baselines that give each request a private, materialized copy of the reused spans in its own blocks.
+PRIVATE_COPY_MODES: tuple[str, ...] = ("cacheblend", "kvcomm")
 REFERENCES: tuple[str, ...] = ("home", "chain")
 DEFAULT_MODEL = "smollm2-135m-instruct"
+VIEW_PATHS: tuple[str, ...] = ("auto", "gather", "query", "triton")
 
 
 @dataclass
@@ -21,8 +26,18 @@ class EngineConfig:
     reuse: "none" prefills every prompt; "prefix" reuses each agent's own exact prefix cache;
         "naive" reuses other agents' segment KV with RoPE realignment only (the fidelity floor);
         "kvcmas" adds query-aware selective recompute stored as low-rank corrections.
+        Baselines on the same engine (each request gets a private full copy of the reused spans):
+        "cacheblend" (Yao et al. 2024) recomputes the reused tokens with the highest KV deviation at
+        layer 1 and blends them into the realigned copy, every request anew (engine/cacheblend.py);
+        "kvcomm" (Ye et al. 2025) adds offsets interpolated from an anchor pool per (agent,
+        placeholder), or prefills the segment densely and stores it as a new anchor (engine/kvcomm.py).
     recompute_ratio, rank, reference: KVCMAS knobs (fraction of reused tokens recomputed, SVD rank
         of each correction, and "home" or "chain" as the reference view).
+    blend_ratio: CacheBlend's recompute ratio (its paper's default 0.15); a request's explicit
+        ReuseOptions.recompute_ratio overrides it for that request.
+    kvcomm_anchors: KVCOMM anchors kept per (agent, placeholder); the oldest is evicted beyond it.
+    kvcomm_threshold: KVCOMM's match threshold on the relative key distance (see engine/anchors.py);
+        a segment whose nearest anchor is farther is prefilled densely and becomes an anchor.
     kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.
     block_size: tokens per KV block.
     max_batch_tokens: tokens one forward step may process (long prompts are chunked).
@@ -43,12 +58,24 @@ class EngineConfig:
     recompute_ratio: float = 0.5
     rank: int = 16
     reference: str = "home"
-    view_path: str = "gather"          # torch attention over corrected views: "gather" or "query"
+    blend_ratio: float = 0.15
+    kvcomm_anchors: int = 20
+    kvcomm_threshold: float = 0.25
+    # attention over corrected views: "auto" (Triton kernel on CUDA, else "gather"), "gather" (torch,
+    # gathered keys + SDPA), "query" (torch view_attention), "triton" (the kernel; TRITON_INTERPRET on CPU)
+    view_path: str = "auto"
 
     def __post_init__(self) -> None:
         ReuseOptions(self.reuse, self.recompute_ratio, self.rank, self.reference).validate()
-        if self.view_path not in ("gather", "query"):
-            raise ValueError(f"view_path must be 'gather' or 'query', got {self.view_path!r}")
+        if not 0.0 <= self.blend_ratio <= 1.0:
+            raise ValueError(f"blend_ratio must be in [0, 1], got {self.blend_ratio}")
+        if not isinstance(self.kvcomm_anchors, int) or isinstance(self.kvcomm_anchors, bool) \
+                or self.kvcomm_anchors < 1:
+            raise ValueError(f"kvcomm_anchors must be a positive int, got {self.kvcomm_anchors!r}")
+        if not self.kvcomm_threshold > 0:
+            raise ValueError(f"kvcomm_threshold must be > 0, got {self.kvcomm_threshold}")
+        if self.view_path not in VIEW_PATHS:
+            raise ValueError(f"view_path must be one of {VIEW_PATHS}, got {self.view_path!r}")
         if self.block_size <= 0 or self.max_batch_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("block_size, max_batch_tokens and max_num_seqs must be positive")
         if self.kv_budget_bytes <= 0:
@@ -57,7 +84,10 @@ class EngineConfig:
 
 @dataclass
 class ReuseOptions:
-    """Per-request overrides of the engine's reuse knobs (None keeps the engine's setting)."""
+    """Per-request overrides of the engine's reuse knobs (None keeps the engine's setting).
+
+    With reuse="cacheblend", an unset recompute_ratio resolves to the engine's blend_ratio.
+    """
 
     reuse: str | None = None
     recompute_ratio: float | None = None
@@ -76,9 +106,11 @@ class ReuseOptions:
 
     def resolve(self, config: "EngineConfig") -> "ReuseOptions":
         """Fill unset knobs from the engine config."""
+        reuse = self.reuse if self.reuse is not None else config.reuse
+        default_ratio = config.blend_ratio if reuse == "cacheblend" else config.recompute_ratio
         return ReuseOptions(
-            self.reuse if self.reuse is not None else config.reuse,
-            self.recompute_ratio if self.recompute_ratio is not None else config.recompute_ratio,
+            reuse,
+            self.recompute_ratio if self.recompute_ratio is not None else default_ratio,
             self.rank if self.rank is not None else config.rank,
             self.reference if self.reference is not None else config.reference)
 

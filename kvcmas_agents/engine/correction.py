@@ -8,6 +8,8 @@ Per request of agent X (DESIGN.md, "The algorithm"):
            mass the tail puts on them (summed over layers and heads); keep the top recompute_ratio.
   recompute - run the selected tokens layer by layer under X's own context; their deviation from the
            reference view is stored as a rank-r truncated SVD per layer and KV head.
+The baselines "cacheblend" and "kvcomm" share plan(); their reused spans are private copies in the
+request's own blocks, and correct() hands them to engine/cacheblend.py and engine/kvcomm.py.
 """
 from __future__ import annotations
 
@@ -16,7 +18,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .anchors import AnchorPool
+from .cacheblend import CacheBlend
+from .config import CROSS_AGENT_MODES, PRIVATE_COPY_MODES
 from .kv_store import KVStore
+from .kvcomm import KVComm
 from .lowrank import LowRankDelta, compress
 from .model import LlamaModel
 from .realign import Realigner
@@ -25,15 +31,17 @@ from .segments import Correction, SegmentStore, context_key
 from .view_attention import OwnPiece, SegmentPiece, view_attention
 from .view_gather import build_view, gathered_kv
 
-CROSS_AGENT_MODES = ("naive", "kvcmas")
+__all__ = ["CROSS_AGENT_MODES", "Corrector"]
 
 
 class Corrector:
     def __init__(self, model: LlamaModel, store: KVStore, segments: SegmentStore, realigner: Realigner,
-                 predecessors: Callable[[str], list[str]]):
+                 predecessors: Callable[[str], list[str]], anchors: AnchorPool | None = None):
         self.model, self.store, self.segments = model, store, segments
         self.realigner = realigner
         self.predecessors = predecessors
+        self.anchors = anchors if anchors is not None else AnchorPool()
+        self.baselines = {"cacheblend": CacheBlend(self), "kvcomm": KVComm(self, self.anchors)}
 
     # --- planning (at admission) ---------------------------------------------------------------
     def plan(self, req: Request) -> None:
@@ -60,6 +68,8 @@ class Corrector:
                     piece.chain = list(corr.chain)
                 else:
                     piece.pending = True
+            elif req.options.reuse in PRIVATE_COPY_MODES:
+                piece.pending = piece.private = True   # blended / offset copy in own blocks, every request
             pieces.append(piece)
         if pieces and pieces[-1].end >= len(ids):
             pieces.pop()                           # keep at least one token to prefill for logits
@@ -99,8 +109,8 @@ class Corrector:
         if a > 0:
             out.append(self._own(req, 0, min(a, end)))
         for p in req.pieces:
-            if p.home is None:
-                if p.start < end and include_new:
+            if p.home is None or p.private:
+                if p.start < end and (include_new or p.private):
                     out.append(self._own(req, p.start, min(p.end, end)))
                 continue
             out.append(SegmentPiece(p.home.slots, torch.arange(p.start, p.end, device=self.model.device),
@@ -115,6 +125,11 @@ class Corrector:
     # --- correction (in the worker, once the own prefix is computed) -------------------------------
     @torch.inference_mode()
     def correct(self, req: Request) -> None:
+        baseline = self.baselines.get(req.options.reuse)
+        if baseline is not None:
+            baseline.correct(req)
+            req.num_computed = req.reuse_end
+            return
         pending = [p for p in req.pieces if p.pending and p.home is not None]
         new = [p for p in req.pieces if p.home is None]
         if pending or new:

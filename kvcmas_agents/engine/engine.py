@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Iterable
 
 import torch
 
+from .anchors import AnchorPool
 from .chat import ChatFormatter
 from .config import EngineConfig, ReuseOptions, SamplingParams
 from .correction import CROSS_AGENT_MODES, Corrector
@@ -59,7 +60,8 @@ class Engine:
         self.scheduler = Scheduler(self.config, self.store)
         self.realign_refused = refuses(loaded.args.rope_scaling)
         self.corrector = Corrector(self.model, self.store, self.scheduler.segments,
-                                   Realigner.from_rope(self.model.rope), self.predecessors)
+                                   Realigner.from_rope(self.model.rope), self.predecessors,
+                                   AnchorPool(self.config.kvcomm_anchors, self.config.kvcomm_threshold))
         self.scheduler.corrector = self.corrector
         self.runner = ModelRunner(self.model, self.store, self.corrector, self.config.view_path)
         self.sampler = Sampler()
@@ -165,6 +167,8 @@ class Engine:
         kv = self.store.stats()
         seg = self.scheduler.segments.stats()
         home_bytes = len(self.scheduler.segments.home_blocks) * kv.block_bytes
+        anchors = self.corrector.anchors.stats()
+        extra = seg.correction_bytes + anchors.anchor_bytes     # persistent non-block state
         with self._stats_lock:
             agents = {a: dict(v) for a, v in self._agents.items()}
             counters = dict(self._counters)
@@ -190,8 +194,13 @@ class Engine:
             "home_views": seg.homes, "home_view_tokens": seg.home_tokens, "home_view_bytes": home_bytes,
             "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
             "correction_bytes_by_agent": seg.by_agent, "home_views_evicted": seg.evicted,
-            "kv_bytes_total": kv.kv_bytes + seg.correction_bytes,
-            "kv_bytes_total_peak": max(self._peak_total, kv.kv_bytes + seg.correction_bytes),
+            "blend_ratio": self.config.blend_ratio, "kvcomm_anchors": self.config.kvcomm_anchors,
+            "kvcomm_threshold": self.config.kvcomm_threshold,
+            "anchors": anchors.anchors, "anchor_bytes": anchors.anchor_bytes,
+            "anchor_bytes_by_agent": anchors.by_agent, "anchor_hits": anchors.hits,
+            "anchor_misses": anchors.misses, "anchors_evicted": anchors.evicted,
+            "kv_bytes_total": kv.kv_bytes + extra,
+            "kv_bytes_total_peak": max(self._peak_total, kv.kv_bytes + extra),
             "realign_refused": self.realign_refused,
             "realign_refusals": counters.get("realign_refusals", 0),
         }
@@ -309,7 +318,8 @@ class Engine:
                     self._fail(req, EngineError(f"correction failed for {req.request_id}: {exc!r}"))
 
     def _track_peak(self) -> None:
-        total = self.store.stats().kv_bytes + self.scheduler.segments.correction_bytes
+        total = (self.store.stats().kv_bytes + self.scheduler.segments.correction_bytes
+                 + self.corrector.anchors.nbytes)
         if total > self._peak_total:
             self._peak_total = total
 

@@ -12,8 +12,10 @@ class Usage:
     """Token accounting for one request.
 
     cached_tokens: prompt tokens whose KV came exactly from the prefix cache.
-    reused_tokens: prompt tokens whose KV was reused from another agent's view (KVCMAS modes).
-    recomputed_tokens: reused tokens that were recomputed to correct them.
+    reused_tokens: prompt tokens whose KV was reused from another agent's view (cross-agent modes;
+        with kvcomm only the segments served from anchors).
+    recomputed_tokens: reused tokens that were recomputed to correct them (kvcmas, cacheblend); with
+        kvcomm, the tokens of segments prefilled densely because no anchor matched (not in reused_tokens).
     """
 
     prompt_tokens: int = 0

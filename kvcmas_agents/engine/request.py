@@ -25,6 +25,7 @@ class ReusePiece:
     chain: list[LowRankDelta] = field(default_factory=list)   # corrections applied on the realigned home
     exact: bool = False                                       # the request's own exact view: no correction
     pending: bool = False                                     # a correction must be computed first
+    private: bool = False                                     # served from a copy in the request's own blocks
 
     @property
     def delta(self) -> int:
@@ -91,7 +92,8 @@ class Request:
     def is_hole(self, start: int, end: int) -> bool:
         """True when positions [start, end) all lie in reused pieces (no own KV needed there)."""
         return (self.own_prefix_end <= start and end <= self.reuse_end
-                and not any(p.home is None and p.start < end and start < p.end for p in self.pieces))
+                and not any((p.home is None or p.private) and p.start < end and start < p.end
+                            for p in self.pieces))
 
     def owns(self, start: int, end: int) -> bool:
         """True when this request computes the KV of positions [start, end) itself."""

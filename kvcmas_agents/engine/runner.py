@@ -6,6 +6,7 @@ import torch
 from .attention import PagedAttention, SeqSlice
 from .correction import Corrector
 from .view_gather import build_view
+from .view_pack import pack_view, resolve_view_path
 from .kv_store import KVStore
 from .model import LlamaModel
 from .scheduler import StepItem
@@ -13,8 +14,9 @@ from .scheduler import StepItem
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, store: KVStore, corrector: Corrector | None = None,
-                 view_path: str = "gather"):
-        self.view_path = view_path            # "gather" (fast torch path) or "query" (view_attention)
+                 view_path: str = "auto"):
+        # "gather" (fast torch path), "query" (view_attention) or "triton" (the fused kernel).
+        self.view_path = resolve_view_path(view_path, model.device)
         self.model = model
         self.store = store
         self.corrector = corrector
@@ -34,8 +36,11 @@ class ModelRunner:
             write.append(self.store.slots(req.blocks, start, start + n))
             if req.pieces and self.corrector is not None and start + n > req.own_prefix_end:
                 pieces = self.corrector.pieces_for(req, start + n)
-                view = (build_view(pieces, self.corrector.realigner, dev, self.store.k.dtype)
-                        if self.view_path == "gather" else None)
+                view = None
+                if self.view_path == "gather":
+                    view = build_view(pieces, self.corrector.realigner, dev, self.store.k.dtype)
+                elif self.view_path == "triton":
+                    view = pack_view(pieces, self.corrector.realigner, dev)
                 slices.append(SeqSlice(offset, offset + n, start + n, None, pieces, positions[-1].to(dev), view))
             else:
                 gather = self.store.slots(req.blocks, 0, start + n)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .config import EngineConfig
+from .config import CROSS_AGENT_MODES, EngineConfig
 from .kv_store import KVStore
 from .prefix_cache import PrefixCache
 from .request import Request
@@ -34,7 +34,7 @@ class Scheduler:
         self.prefix = PrefixCache(store)
         self.segments = SegmentStore(store)
         self.segments.is_cached = self.prefix.is_cached
-        self.corrector = None          # set by the engine for cross-agent modes (naive, kvcmas)
+        self.corrector = None          # set by the engine for cross-agent modes (CROSS_AGENT_MODES)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._promised = 0           # reserved-but-unallocated blocks over running requests
@@ -77,7 +77,7 @@ class Scheduler:
         """The reuse seam: give the request KV it need not compute, before its prefill."""
         if not req.prompt.prefix_stable:
             return
-        if req.options.reuse in ("naive", "kvcmas") and self.corrector is not None:
+        if req.options.reuse in CROSS_AGENT_MODES and self.corrector is not None:
             self.corrector.plan(req)
             return
         if req.options.reuse != "prefix":
