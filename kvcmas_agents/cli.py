@@ -1,4 +1,4 @@
-"""The ``kvcmas`` command: ``demo``, ``engine-demo``, ``chat``, ``info`` and ``fidelity`` subcommands.
+"""The ``kvcmas`` command: ``demo``, ``engine-demo``, ``chat``, ``info``, ``fidelity`` and ``bench`` subcommands.
 
 Add a subcommand by writing ``add_args(parser)`` and ``run(args) -> int`` functions and listing
 them in ``COMMANDS``.
@@ -14,6 +14,7 @@ from .demos import engine_pipeline as demo
 from .demos import langgraph_pipeline
 from .engine import Engine, EngineConfig, EngineError, InvalidRequestError, ModelNotFoundError, SamplingParams
 from .engine.loader import ensure_safetensors
+from .bench import cli as bench_cli
 from .fidelity import cli as fidelity_cli
 
 
@@ -104,6 +105,8 @@ COMMANDS: dict[str, Command] = {
     "info": Command("show the model, device, dtype, context and KV sizes", _add_model_args, run_info),
     "fidelity": Command("measure each reuse mode's KL and greedy agreement against exact prefill",
                         fidelity_cli.add_args, fidelity_cli.run),
+    "bench": Command("replay multi-agent traces through every reuse method: TTFT, memory, fidelity ratios",
+                     bench_cli.add_args, bench_cli.run),
 }
 
 

@@ -1,0 +1,59 @@
+"""``kvcmas bench`` / ``python -m benchmarks.bench``: options, run, write and print the report."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+
+from ..engine.config import EngineConfig
+from .methods import DEFAULT_METHODS, METHODS, sweep_methods
+from .report import markdown, write_report
+from .runner import BenchConfig, run_bench
+from .traces import PRESETS, get_traces
+
+SWEEP = {"quick": ((0.2, 1.0), ()), "full": ((0.1, 0.2, 0.3, 1.0), (4, 32)), "long": ((0.2,), ()), "tiny": ((), ())}
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    from ..demos.engine_pipeline import device_arg
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full",
+                        help="quick: 1-round traces (CI smoke); full: shared history >= 2,000 tokens; "
+                             "long: >= 8,000 tokens (GPU)")
+    parser.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
+    parser.add_argument("--traces", nargs="+", default=None, help="only these traces of the preset")
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
+    parser.add_argument("--eval-tokens", type=int, default=16, help="teacher-forced continuation per turn")
+    parser.add_argument("--throughput-tokens", type=int, default=32, help="decode tokens per agent (0: skip)")
+    parser.add_argument("--sweep-ratios", type=float, nargs="*", default=None)
+    parser.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
+    parser.add_argument("--kv-budget-mib", type=int, default=None, help="KV budget per engine (default 2 GiB)")
+    parser.add_argument("--out", default="benchmarks/results/bench", help="output folder")
+    parser.add_argument("--model", default=None, help="checkpoint dir, .gguf, or random:<shape> (GPU speed runs)")
+    parser.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, cuda, cuda:N")
+
+
+def run(args: argparse.Namespace) -> int:
+    traces = get_traces(args.preset, args.traces)
+    ratios, ranks = SWEEP[args.preset]
+    ratios = tuple(args.sweep_ratios if args.sweep_ratios is not None else ratios)
+    ranks = tuple(args.sweep_ranks if args.sweep_ranks is not None else ranks)
+    defaults = EngineConfig.__dataclass_fields__
+    sweep = [m for m in sweep_methods(ratios, ranks, defaults["rank"].default, defaults["recompute_ratio"].default)
+             if (m.recompute_ratio, m.rank) != (defaults["recompute_ratio"].default, defaults["rank"].default)]
+    cfg = BenchConfig(traces, list(args.methods), sweep if ratios or ranks else [], traces[0].name,
+                      args.eval_tokens, args.throughput_tokens, args.model, args.device,
+                      args.kv_budget_mib * 2**20 if args.kv_budget_mib else None)
+    result = asyncio.run(run_bench(cfg))
+    result["config"]["preset"] = args.preset
+    command = "kvcmas bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else ""
+    paths = write_report(result, args.out, command)
+    print(markdown(result, command))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench", description="TTFT, memory, throughput and fidelity by method")
+    add_args(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,153 @@
+"""Write a bench result as JSON, a markdown report and PNG plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+MIB = 2 ** 20
+
+
+def _x(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def _kl(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1e}" if 0 < x < 1e-3 else f"{x:.4f}"
+
+
+def method_table(name: str, entry: dict[str, Any]) -> str:
+    """One row per method: TTFT (later turns), peak memory, fidelity, and ratios to the baselines."""
+    lines = [f"Trace `{name}`: {len(entry['turns'])} turns, agents {', '.join(entry['agents'])}; shared history "
+             f"up to {entry['shared_tokens_max']} tokens, longest prompt {entry['prompt_tokens_max']}.", "",
+             "| method | TTFT mean / p50 / p95 ms | speedup vs prefix | vs none | peak KV+state MiB | "
+             "less than kvcomm | less than prefix | first-token KL | TF KL | agreement | not prefilled | served |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in entry["methods"].values():
+        f, r, mem = m["fidelity"], m["ratios"], m["memory"]
+        lines.append(
+            f"| {m['label']} | {m['ttft_mean'] * 1e3:.0f} / {m['ttft_p50'] * 1e3:.0f} / {m['ttft_p95'] * 1e3:.0f} | "
+            f"{_x(r.get('ttft_speedup_vs_prefix'))} | {_x(r.get('ttft_speedup_vs_none'))} | "
+            f"{mem['kv_bytes_total_peak'] / MIB:.1f} | {_x(r.get('memory_reduction_vs_kvcomm'))} | "
+            f"{_x(r.get('memory_reduction_vs_prefix'))} | {_kl(f.get('first_token_kl_mean'))} | "
+            f"{_kl(f.get('tf_kl_mean'))} | {f.get('agreement_mean', 0):.2f} | "
+            f"{100 * f.get('not_prefilled_frac_mean', 0):.0f}% | {','.join(m['served'])} |")
+    return "\n".join(lines)
+
+
+def memory_table(name: str, entry: dict[str, Any]) -> str:
+    """Where each method's peak memory sits (engine accounting; CUDA allocator when on a GPU)."""
+    cuda = any("cuda_peak_over_pool_bytes" in m["memory"] for m in entry["methods"].values())
+    head = "| method | KV blocks peak | home views | corrections | anchors |" + (" CUDA peak over pool |" if cuda else "")
+    lines = [head, "|---" * (5 + cuda) + "|"]
+    for m in entry["methods"].values():
+        mem = m["memory"]
+        row = (f"| {m['label']} | {mem['kv_bytes_peak'] / MIB:.1f} | {mem['home_view_bytes'] / MIB:.1f} | "
+               f"{mem['correction_bytes'] / MIB:.1f} | {mem['anchor_bytes'] / MIB:.1f} |")
+        if cuda:
+            row += f" {mem.get('cuda_peak_over_pool_bytes', 0) / MIB:.1f} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def sweep_table(entry: dict[str, Any]) -> str:
+    lines = ["| kvcmas knobs | TTFT mean ms | first-token KL | TF KL | agreement | recomputed | corrections MiB |",
+             "|---|---|---|---|---|---|---|"]
+    for m in entry.get("sweep", []):
+        f = m["fidelity"]
+        lines.append(f"| {m['label']} | {m['ttft_mean'] * 1e3:.0f} | {_kl(f.get('first_token_kl_mean'))} | "
+                     f"{_kl(f.get('tf_kl_mean'))} | {f.get('agreement_mean', 0):.2f} | "
+                     f"{100 * f.get('recomputed_frac_mean', 0):.0f}% | {m['memory']['correction_bytes'] / MIB:.1f} |")
+    return "\n".join(lines)
+
+
+def throughput_table(entry: dict[str, Any]) -> str:
+    lines = ["| engine reuse | agents | tokens each | sequential tok/s | concurrent tok/s | speedup | max batch |",
+             "|---|---|---|---|---|---|---|"]
+    for t in entry.get("throughput", []):
+        lines.append(f"| {t['method']} | {len(t['agents'])} | {t['tokens_per_agent']} | {t['sequential_tok_s']:.1f} | "
+                     f"{t['concurrent_tok_s']:.1f} | {t['speedup']:.2f}x | {t['max_batch_seqs']} |")
+    return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any], command: str = "") -> str:
+    c = result["config"]
+    out = ["# kvcmas bench", "",
+           f"Model `{c['model_name']}` on `{c['device_used']}` ({c['dtype']}, {c['torch_threads']} torch threads); "
+           f"teacher-forced continuation {c['eval_tokens']} tokens; total {result['timing']['total_s']:.0f} s.",
+           *([f"Command: `{command}`"] if command else []), "",
+           "TTFT and fidelity are over the later turns (every turn after the first turn group, i.e. those that "
+           "can reuse another agent's KV). Peak memory is the engine's accounting of KV blocks in use or cached, "
+           "plus correction states and anchors, over the whole replay. Ratios come from one run."]
+    for name, entry in result["traces"].items():
+        out += ["", f"## {name}", "", method_table(name, entry), "", memory_table(name, entry)]
+        if entry.get("sweep"):
+            out += ["", "Knob sweep (kvcmas):", "", sweep_table(entry)]
+        if entry.get("throughput"):
+            out += ["", "Concurrent decode (the last turn of each of the last agents, run together vs in turn):", "",
+                    throughput_table(entry)]
+    return "\n".join(out) + "\n"
+
+
+def plot(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
+    """ttft_per_turn.png, peak_memory.png and frontier.png (when a sweep ran)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths: dict[str, Path] = {}
+    traces = result["traces"]
+    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4), squeeze=False)
+    for ax, (name, entry) in zip(axes[0], traces.items()):
+        for m in entry["methods"].values():
+            ax.plot([t["index"] for t in m["turns"]], [1e3 * t["ttft_s"] for t in m["turns"]], marker=".",
+                    label=m["label"])
+        ax.set(title=name, xlabel="turn", ylabel="TTFT ms")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths["ttft"] = out_dir / "ttft_per_turn.png"
+    fig.savefig(paths["ttft"], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(traces), figsize=(6 * len(traces), 4), squeeze=False)
+    for ax, (name, entry) in zip(axes[0], traces.items()):
+        ms = list(entry["methods"].values())
+        ax.bar([m["label"] for m in ms], [m["memory"]["kv_bytes_total_peak"] / MIB for m in ms])
+        ax.set(title=name, ylabel="peak KV + state MiB")
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    paths["memory"] = out_dir / "peak_memory.png"
+    fig.savefig(paths["memory"], dpi=110)
+    plt.close(fig)
+
+    swept = [(n, e) for n, e in traces.items() if e.get("sweep")]
+    if swept:
+        name, entry = swept[0]
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for m in entry["sweep"]:
+            ax.scatter(1e3 * m["ttft_mean"], max(m["fidelity"].get("first_token_kl_mean", 0), 1e-7), c="tab:blue")
+            ax.annotate(m["label"].removeprefix("kvcmas"), (1e3 * m["ttft_mean"],
+                        max(m["fidelity"].get("first_token_kl_mean", 0), 1e-7)), fontsize=7)
+        for m in entry["methods"].values():
+            ax.scatter(1e3 * m["ttft_mean"], max(m["fidelity"].get("first_token_kl_mean", 0), 1e-7), marker="s")
+            ax.annotate(m["label"], (1e3 * m["ttft_mean"], max(m["fidelity"].get("first_token_kl_mean", 0), 1e-7)),
+                        fontsize=8)
+        ax.set(yscale="log", xlabel="TTFT mean ms (later turns)", ylabel="first-token KL vs exact (nats)",
+               title=f"fidelity / speed frontier ({name})")
+        fig.tight_layout()
+        paths["frontier"] = out_dir / "frontier.png"
+        fig.savefig(paths["frontier"], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write_report(result: dict[str, Any], out_dir: str | Path, command: str = "") -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bench.json", "markdown": out / "bench.md"}
+    paths["json"].write_text(json.dumps(result, indent=1))
+    paths["markdown"].write_text(markdown(result, command))
+    paths.update(plot(result, out))
+    return paths

@@ -1,0 +1,195 @@
+"""Replay every trace through every method on fresh engines; collect TTFT, memory, fidelity, throughput.
+
+Order of work per trace: one exact pass (``reuse="none"``, greedy replies, logits kept), then for each
+method a fresh engine replays the same prompts teacher-forced on the exact continuation (so fidelity
+is comparable turn by turn and every method sees identical prompts). Methods run one after another
+in one process, so their ratios share the machine's state; absolute times mean little on a CPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from statistics import fmean, median
+from typing import Any, Callable
+
+import torch
+
+from ..engine import Engine, SamplingParams
+from ..fidelity.conversation import ExactTurn, run_exact
+from ..fidelity.replay import ReplayTurn, replay
+from ..fidelity.summary import summarize
+from .methods import METHODS, Method
+from .traces import Trace
+
+Log = Callable[[str], None]
+MEMORY_KEYS = ("kv_bytes_peak", "kv_bytes_total_peak", "home_view_bytes", "correction_bytes", "anchor_bytes")
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class BenchConfig:
+    traces: list[Trace]
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    sweep: list[Method] = field(default_factory=list)
+    sweep_trace: str = "pipeline"
+    eval_tokens: int = 16             # teacher-forced continuation per turn (fidelity; also decode work)
+    throughput_tokens: int = 32       # decode tokens per agent in the concurrency test (0 skips it)
+    model: str | None = None
+    device: str = "cpu"
+    kv_budget_bytes: int | None = None
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def ttft_summary(turns: list[ReplayTurn]) -> dict[str, float]:
+    """TTFT over the later turns (those that can reuse another agent's KV) and over all turns."""
+    later = [t.ttft_s for t in turns if t.group > 0]
+    every = [t.ttft_s for t in turns]
+    return {"ttft_mean": fmean(later), "ttft_p50": median(later), "ttft_p95": _pct(later, 0.95),
+            "ttft_all_mean": fmean(every), "ttft_total": sum(every)}
+
+
+class _Bench:
+    def __init__(self, cfg: BenchConfig, log: Log):
+        self.cfg, self.log = cfg, log
+        self.cuda = False
+
+    def engine(self, method: Method) -> Engine:
+        extra = {"kv_budget_bytes": self.cfg.kv_budget_bytes} if self.cfg.kv_budget_bytes else {}
+        engine = Engine(method.config(self.cfg.model, self.cfg.device, **extra))
+        self.cuda = engine.device.type == "cuda"
+        return engine
+
+    async def _warm(self, engine: Engine) -> None:
+        """Two tiny agents sharing a message, so first-call costs (kernels, SVD) stay out of the timings."""
+        history = [{"role": "user", "content": "Warm-up: list three prime numbers and one even number."}]
+        for agent in ("_warm_a", "_warm_b"):
+            messages = [{"role": "system", "content": f"You are {agent}."}, *history]
+            await engine.generate(messages, agent=agent, sampling=SamplingParams(max_tokens=2))
+        engine.reset_peak()
+
+    async def replay(self, trace: Trace, exact: list[ExactTurn], method: Method) -> dict[str, Any]:
+        engine = self.engine(method)
+        try:
+            engine.set_edges(trace.scenario.edges)
+            await self._warm(engine)
+            if self.cuda:
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            turns = await replay(engine, exact, self.cfg.eval_tokens)
+            wall = time.perf_counter() - t0
+            stats = engine.stats()
+            memory = {k: int(stats.get(k, 0)) for k in MEMORY_KEYS}
+            if self.cuda:
+                memory["cuda_peak_over_pool_bytes"] = int(torch.cuda.max_memory_allocated() - base)
+            served = sorted({t.served for t in turns})
+        finally:
+            await engine.aclose()
+        return {"method": method.name, "label": method.label, "reuse": method.reuse, "knobs": asdict(method),
+                "served": served, "wall_s": wall, **ttft_summary(turns), "fidelity": summarize(turns),
+                "memory": memory, "turns": [t.to_dict() for t in turns]}
+
+    async def throughput(self, trace: Trace, exact: list[ExactTurn], method: Method) -> dict[str, Any]:
+        """Aggregate decode tokens/s of the last turns' agents run concurrently vs one after another."""
+        n = self.cfg.throughput_tokens
+        last: dict[str, ExactTurn] = {}
+        for t in exact:
+            last[t.agent] = t
+        turns = list(last.values())[-4:]
+        sampling = SamplingParams(max_tokens=n, ignore_eos=True)
+        engine = self.engine(method)
+        try:
+            engine.set_edges(trace.scenario.edges)
+            await self._warm(engine)
+            for t in turns:                     # prime each agent's caches so both runs mostly decode
+                await engine.generate(t.messages, agent=t.agent, sampling=SamplingParams(max_tokens=1))
+            t0 = time.perf_counter()
+            for t in turns:
+                await engine.generate(t.messages, agent=t.agent, sampling=sampling)
+            seq = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*(engine.generate(t.messages, agent=t.agent, sampling=sampling)
+                                          for t in turns))
+            conc = time.perf_counter() - t0
+            batch = engine.stats()["max_batch_seqs"]
+        finally:
+            await engine.aclose()
+        tokens = sum(o.usage.completion_tokens for o in outs)
+        return {"method": method.name, "agents": [t.agent for t in turns], "tokens_per_agent": n,
+                "sequential_s": seq, "concurrent_s": conc, "sequential_tok_s": tokens / seq,
+                "concurrent_tok_s": tokens / conc, "speedup": seq / conc, "max_batch_seqs": batch}
+
+
+def _ratios(methods: dict[str, dict[str, Any]]) -> None:
+    """Add TTFT ratios against prefix/none and peak-memory ratios against kvcomm/prefix, in place."""
+    def ratio(a: float, b: float) -> float | None:
+        return a / b if b else None
+    for m in methods.values():
+        peak = m["memory"]["kv_bytes_total_peak"]
+        m["ratios"] = {
+            f"ttft_speedup_vs_{base}": ratio(methods[base]["ttft_mean"], m["ttft_mean"])
+            for base in ("prefix", "none") if base in methods}
+        m["ratios"].update({
+            f"memory_reduction_vs_{base}": ratio(methods[base]["memory"]["kv_bytes_total_peak"], peak)
+            for base in ("kvcomm", "prefix") if base in methods})
+
+
+async def run_bench(cfg: BenchConfig, log: Log = _stderr) -> dict[str, Any]:
+    """Run the whole benchmark; returns a JSON-able dict (see ``report`` for the tables and plots)."""
+    start = time.perf_counter()
+    unknown = set(cfg.methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+    bench = _Bench(cfg, log)
+    torch.linalg.svd(torch.randn(64, 64))        # the first SVD of a process loads MKL (seconds)
+    result: dict[str, Any] = {"config": {
+        "model": cfg.model, "device": cfg.device, "eval_tokens": cfg.eval_tokens,
+        "throughput_tokens": cfg.throughput_tokens, "methods": list(cfg.methods),
+        "sweep": [m.label for m in cfg.sweep], "torch_threads": torch.get_num_threads()}, "traces": {}}
+    exact_engine = bench.engine(METHODS["none"])
+    result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device),
+                            dtype=str(exact_engine.model.dtype).replace("torch.", ""))
+    try:
+        for trace in cfg.traces:
+            t0 = time.perf_counter()
+            exact = await run_exact(exact_engine, trace.scenario, trace.reply_tokens, cfg.eval_tokens)
+            log(f"[bench] {trace.name}: exact pass, {len(exact)} turns, shared history up to "
+                f"{max(t.shared_tokens for t in exact)} tokens, longest prompt "
+                f"{max(t.prompt_tokens for t in exact)}, {time.perf_counter() - t0:.0f} s")
+            entry: dict[str, Any] = {
+                "turns": [t.to_dict() for t in exact], "agents": sorted({t.agent for t in exact}),
+                "shared_tokens_max": max(t.shared_tokens for t in exact),
+                "prompt_tokens_max": max(t.prompt_tokens for t in exact), "methods": {}}
+            for name in cfg.methods:
+                m = await bench.replay(trace, exact, METHODS[name])
+                entry["methods"][name] = m
+                f = m["fidelity"]
+                log(f"[bench] {trace.name}/{name}: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, peak "
+                    f"{m['memory']['kv_bytes_total_peak'] / 2**20:.1f} MiB, first-token KL "
+                    f"{f.get('first_token_kl_mean', 0):.3g}, {m['wall_s']:.0f} s")
+            _ratios(entry["methods"])
+            if cfg.sweep and trace.name == cfg.sweep_trace:
+                entry["sweep"] = []
+                for method in cfg.sweep:
+                    m = await bench.replay(trace, exact, method)
+                    entry["sweep"].append(m)
+                    log(f"[bench] sweep {method.label}: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, first-token KL "
+                        f"{m['fidelity'].get('first_token_kl_mean', 0):.3g}")
+            if cfg.throughput_tokens and trace is cfg.traces[0]:
+                entry["throughput"] = [await bench.throughput(trace, exact, METHODS[n])
+                                       for n in ("prefix", "kvcmas") if n in cfg.methods]
+            result["traces"][trace.name] = entry
+    finally:
+        await exact_engine.aclose()
+    result["timing"] = {"total_s": time.perf_counter() - start}
+    return result

@@ -1,0 +1,65 @@
+"""Smoke test of ``kvcmas bench``: every method runs on the tiny trace and the report holds its figures.
+
+Asserts that it runs and reports (and what must hold whatever the machine: exact modes are exact, reuse
+modes reuse, kvcmas is closer to exact than naive), never a speed.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvcmas_agents.bench.methods import METHODS
+from kvcmas_agents.cli import main
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", "--preset", "tiny", "--device", "cpu", "--eval-tokens", "4", "--throughput-tokens", "4",
+                 "--sweep-ratios", "1.0", "--sweep-ranks", "--out", str(out)])
+    assert code == 0
+    return out, json.loads((out / "bench.json").read_text())
+
+
+def test_writes_json_markdown_and_plots(report):
+    out, _ = report
+    for name in ("bench.json", "bench.md", "ttft_per_turn.png", "peak_memory.png", "frontier.png"):
+        assert (out / name).stat().st_size > 0, name
+    md = (out / "bench.md").read_text()
+    assert all(f"| {m} |" in md for m in METHODS)
+
+
+def test_every_method_reports_ttft_memory_fidelity_and_ratios(report):
+    _, result = report
+    entry = result["traces"]["csv"]
+    assert set(entry["methods"]) == set(METHODS)
+    for name, m in entry["methods"].items():
+        assert m["served"] == [METHODS[name].reuse], name          # no silent fallback to another mode
+        assert m["ttft_mean"] > 0 and m["ttft_p95"] >= m["ttft_p50"] > 0
+        assert m["memory"]["kv_bytes_total_peak"] > 0
+        assert {"ttft_speedup_vs_prefix", "ttft_speedup_vs_none", "memory_reduction_vs_kvcomm",
+                "memory_reduction_vs_prefix"} <= set(m["ratios"])
+    assert entry["methods"]["prefix"]["ratios"]["ttft_speedup_vs_prefix"] == pytest.approx(1.0)
+
+
+def test_exact_modes_are_exact_and_reuse_modes_reuse(report):
+    _, result = report
+    methods = result["traces"]["csv"]["methods"]
+    for name in ("none", "prefix"):
+        assert methods[name]["fidelity"]["first_token_kl_max"] < 1e-6
+    for name in ("naive", "cacheblend", "kvcomm", "kvcmas"):
+        assert methods[name]["fidelity"]["reused_tokens"] + methods[name]["fidelity"]["recomputed_tokens"] > 0
+    assert methods["kvcmas"]["fidelity"]["reused_tokens"] > 0
+    assert methods["kvcmas"]["memory"]["correction_bytes"] > 0
+    assert methods["kvcmas"]["fidelity"]["first_token_kl_mean"] < methods["naive"]["fidelity"]["first_token_kl_mean"]
+
+
+def test_sweep_and_throughput(report):
+    _, result = report
+    entry = result["traces"]["csv"]
+    (point,) = entry["sweep"]
+    assert point["knobs"]["recompute_ratio"] == 1.0
+    assert point["fidelity"]["first_token_kl_max"] < 1e-4            # ratio 1.0 is exact
+    for t in entry["throughput"]:
+        assert t["concurrent_tok_s"] > 0 and t["sequential_tok_s"] > 0 and t["max_batch_seqs"] >= 2
