@@ -7,6 +7,7 @@ For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
@@ -53,6 +54,9 @@ class LowRankDelta:
     def nbytes(self) -> int:
         """Exact bytes held by the state's tensors, rows included."""
         return sum(t.numel() * t.element_size() for t in (self.rows, self.uk, self.bk, self.uv, self.bv))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.rows, self.uk, self.bk, self.uv, self.bv)
 
     def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reconstructed deviations (dk, dv), each [KVH, R, D], for one layer."""
@@ -102,6 +106,41 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     uk, bk = _truncated(dk, rank, dtype)
     uv, bv = _truncated(dv, rank, dtype)
     return LowRankDelta(rows.to(device=dk.device, dtype=torch.long), uk, bk, uv, bv)
+
+
+def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
+                   dtype: torch.dtype | None = None) -> list[LowRankDelta]:
+    """Compress several segments' deviations (each [L, KVH, R_i, D]) against one shared basis.
+
+    The segments an agent corrects in one request deviate for the same reason (its own prefix), so
+    one rank-``rank`` basis B per layer and KV head serves them all: each segment keeps only its rows'
+    coefficients U_i, and the r x D basis is stored once instead of once per segment.
+    """
+    if not (len(dks) == len(dvs) == len(rows)) or not dks:
+        raise ValueError("compress_joint needs one dk, dv and rows per segment")
+    dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
+    joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype)  # rows split below
+    out, offset = [], 0
+    for r in rows:
+        n = r.numel()
+        # Own copies of U rows (not views), so each segment's bytes are its own; B is shared.
+        out.append(LowRankDelta(r.to(device=joint.uk.device, dtype=torch.long),
+                                joint.uk[:, :, offset:offset + n].clone(), joint.bk,
+                                joint.uv[:, :, offset:offset + n].clone(), joint.bv))
+        offset += n
+    return out
+
+
+def unique_nbytes(deltas: Iterable[LowRankDelta]) -> int:
+    """Bytes held by these deltas, counting a tensor shared by several of them (a joint basis) once."""
+    seen: set[int] = set()
+    total = 0
+    for d in deltas:
+        for t in d.tensors():
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
 
 
 def captured_energy(d: torch.Tensor, rank: int, reduce: bool = True) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .kv_store import KVStore
-from .lowrank import LowRankDelta
+from .lowrank import LowRankDelta, unique_nbytes
 
 
 def context_key(agent: str, token_ids: list[int], end: int) -> int:
@@ -121,16 +121,16 @@ class SegmentStore:
 
     def stats(self) -> SegmentStats:
         s = SegmentStats(homes=len(self._homes), home_tokens=sum(len(k) for k in self._homes),
-                         corrections=len(self._corrections),
-                         correction_bytes=sum(c.nbytes for c in self._corrections.values()),
+                         corrections=len(self._corrections), correction_bytes=self.correction_bytes,
                          evicted=self.evicted)
-        for c in self._corrections.values():
-            s.by_agent[c.agent] = s.by_agent.get(c.agent, 0) + c.nbytes
+        for agent in {c.agent for c in self._corrections.values()}:
+            s.by_agent[agent] = unique_nbytes(c.own for c in self._corrections.values() if c.agent == agent)
         return s
 
     @property
     def correction_bytes(self) -> int:
-        return sum(c.nbytes for c in self._corrections.values())
+        """Bytes of all stored correction states; a basis shared by several corrections counts once."""
+        return unique_nbytes(c.own for c in self._corrections.values())
 
     @property
     def home_blocks(self) -> set[int]:

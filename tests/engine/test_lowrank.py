@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.lowrank import LowRankDelta, apply_to, captured_energy, compose, compress
+from kvcmas_agents.engine.lowrank import (LowRankDelta, apply_to, captured_energy, compose, compress, compress_joint,
+                                          unique_nbytes)
 
 L, KVH, D = 3, 2, 16
 
@@ -149,3 +150,24 @@ def test_invalid_inputs_raise():
                      torch.zeros(L, KVH, 3, 1), torch.zeros(L, KVH, 1, D))
     with pytest.raises(ValueError):
         compose([])
+
+
+def test_joint_basis_is_shared_reconstructs_at_full_rank_and_is_counted_once():
+    parts = [_devs(n) for n in (5, 3, 7)]
+    rows = [torch.tensor([0, 2, 4, 6, 8]), torch.tensor([1, 2, 3]), torch.arange(7)]   # per-segment rows
+    states = compress_joint([p[0] for p in parts], [p[1] for p in parts], rows, rank=D)
+    assert [torch.equal(s.rows, r) for s, r in zip(states, rows)] == [True] * 3
+    assert states[0].bk is states[1].bk is states[2].bk                     # one basis for all
+    for s, (dk, dv) in zip(states, parts):
+        for layer in range(L):
+            rk, rv = s.dense(layer)
+            torch.testing.assert_close(rk, dk[layer], rtol=0, atol=1e-4)
+            torch.testing.assert_close(rv, dv[layer], rtol=0, atol=1e-4)
+    shared = states[0].bk.numel() * 4 + states[0].bv.numel() * 4
+    assert unique_nbytes(states) == sum(s.nbytes for s in states) - 2 * shared
+    # At a low rank the joint basis costs less than one basis per segment.
+    low = compress_joint([p[0] for p in parts], [p[1] for p in parts], rows, rank=2)
+    apart = [compress(dk, dv, r, rank=2) for (dk, dv), r in zip(parts, rows)]
+    assert unique_nbytes(low) < unique_nbytes(apart)
+    with pytest.raises(ValueError):
+        compress_joint([], [], [], rank=2)
