@@ -11,6 +11,7 @@ CROSS_AGENT_MODES: tuple[str, ...] = ("naive", "kvcmas", "cacheblend", "kvcomm")
 # Baselines that give each request a private, materialized copy of the reused spans in its own blocks.
 PRIVATE_COPY_MODES: tuple[str, ...] = ("cacheblend", "kvcomm")
 REFERENCES: tuple[str, ...] = ("home", "chain")
+BASES: tuple[str, ...] = ("request", "segment")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 VIEW_PATHS: tuple[str, ...] = ("auto", "gather", "query", "triton")
 
@@ -38,6 +39,14 @@ class EngineConfig:
     kvcomm_anchors: KVCOMM anchors kept per (agent, placeholder); the oldest is evicted beyond it.
     kvcomm_threshold: KVCOMM's match threshold on the relative key distance (see engine/anchors.py);
         a segment whose nearest anchor is farther is prefilled densely and becomes an anchor.
+    prefetch: with "kvcmas" and registered edges, correct the shared segments for an agent's graph
+        successors ahead of time, while it decodes (engine/prefetch.py); stats()["prefetch"] counts it.
+    prefetch_ratio: recompute ratio of those ahead-of-time corrections (at least recompute_ratio). They
+        are selected before the successor's real tail is known, so they recompute more rows; the work
+        is off the successor's critical path.
+    basis: "request" compresses all segments one request corrects against one shared rank-r basis per
+        layer and KV head (the r x head_dim basis is stored once, not once per segment); "segment"
+        gives every segment its own basis.
     kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.
     block_size: tokens per KV block.
     max_batch_tokens: tokens one forward step may process (long prompts are chunked).
@@ -61,6 +70,9 @@ class EngineConfig:
     blend_ratio: float = 0.15
     kvcomm_anchors: int = 20
     kvcomm_threshold: float = 0.25
+    prefetch: bool = True
+    prefetch_ratio: float = 0.75
+    basis: str = "request"
     # attention over corrected views: "auto" (Triton kernel on CUDA, else "gather"), "gather" (torch,
     # gathered keys + SDPA), "query" (torch view_attention), "triton" (the kernel; TRITON_INTERPRET on CPU)
     view_path: str = "auto"
@@ -78,6 +90,10 @@ class EngineConfig:
             raise ValueError(f"view_path must be one of {VIEW_PATHS}, got {self.view_path!r}")
         if self.block_size <= 0 or self.max_batch_tokens <= 0 or self.max_num_seqs <= 0:
             raise ValueError("block_size, max_batch_tokens and max_num_seqs must be positive")
+        if not 0.0 <= self.prefetch_ratio <= 1.0:
+            raise ValueError(f"prefetch_ratio must be in [0, 1], got {self.prefetch_ratio}")
+        if self.basis not in BASES:
+            raise ValueError(f"basis must be one of {BASES}, got {self.basis!r}")
         if self.kv_budget_bytes <= 0:
             raise ValueError("kv_budget_bytes must be positive")
 

@@ -23,7 +23,7 @@ from .cacheblend import CacheBlend
 from .config import CROSS_AGENT_MODES, PRIVATE_COPY_MODES
 from .kv_store import KVStore
 from .kvcomm import KVComm
-from .lowrank import LowRankDelta, compress
+from .lowrank import LowRankDelta, compress, compress_joint
 from .model import LlamaModel
 from .realign import Realigner
 from .request import Request, ReusePiece
@@ -41,6 +41,7 @@ class Corrector:
         self.realigner = realigner
         self.predecessors = predecessors
         self.anchors = anchors if anchors is not None else AnchorPool()
+        self.joint_basis = True        # one basis for a request's corrections (EngineConfig.basis)
         self.baselines = {"cacheblend": CacheBlend(self), "kvcomm": KVComm(self, self.anchors)}
 
     # --- planning (at admission) ---------------------------------------------------------------
@@ -157,13 +158,16 @@ class Corrector:
         if k == 0:
             return [torch.arange(0) for _ in pending]
         b, n = req.reuse_end, len(req.prompt_ids)
+        # Queries: the own tail, or from req.select_from on (a prefetch also queries the last reused
+        # message, since the real tail is not known yet); only the tail's own KV is written.
+        qs = min(req.select_from, b) if req.select_from is not None else b
         pieces = self.pieces_for(req, n, include_new=False)
         track = [i for i, pc in enumerate(pieces) if isinstance(pc, SegmentPiece)
                  and any(pc.positions[0].item() == p.start for p in pending)]
-        backend = _MassBackend(self, pieces, self.store.slots(req.blocks, b, n),
-                               torch.arange(b, n, device=self.model.device), track)
-        ids = torch.tensor(req.prompt_ids[b:n], device=self.model.device)
-        self.model.forward(ids, torch.arange(b, n, device=self.model.device), backend)
+        positions = torch.arange(qs, n, device=self.model.device)
+        backend = _MassBackend(self, pieces, self.store.slots(req.blocks, b, n), positions, track, skip=b - qs)
+        ids = torch.tensor(req.prompt_ids[qs:n], device=self.model.device)
+        self.model.forward(ids, positions, backend)
         mass = torch.cat(backend.mass)
         top = torch.topk(mass, k).indices.sort().values
         out, offset = [], 0
@@ -220,10 +224,18 @@ class Corrector:
         full = req.options.recompute_ratio >= 1.0
         for p in new:
             p.pending = False
-        for p in pending:
-            dk, dv = torch.stack(dks[id(p)]), torch.stack(dvs[id(p)])     # [L, KVH, R, D]
-            rank = m.args.head_dim if full else req.options.rank        # ratio 1.0 keeps the exact deviation
-            self._store(req, p, compress(dk, dv, sel[id(p)], rank), sel[id(p)].numel())
+        if not pending:
+            return
+        rank = m.args.head_dim if full else req.options.rank            # ratio 1.0 keeps the exact deviation
+        dk = [torch.stack(dks[id(p)]) for p in pending]                 # [L, KVH, R_i, D] each
+        dv = [torch.stack(dvs[id(p)]) for p in pending]
+        rows_of = [sel[id(p)] for p in pending]
+        if self.joint_basis and len(pending) > 1 and not full:
+            states = compress_joint(dk, dv, rows_of, rank)
+        else:
+            states = [compress(k, v, r, rank) for k, v, r in zip(dk, dv, rows_of)]
+        for p, state, r in zip(pending, states, rows_of):
+            self._store(req, p, state, r.numel())
 
     def _store(self, req: Request, p: ReusePiece, own: LowRankDelta, recomputed: int) -> None:
         ref = "home" if not p.chain else "chain"
@@ -238,13 +250,14 @@ class _MassBackend:
     """Attention for the selection pass: writes the tail's KV and sums mass on tracked pieces."""
 
     def __init__(self, corr: Corrector, pieces: list, write_slots: torch.Tensor, q_positions: torch.Tensor,
-                 track: list[int]):
+                 track: list[int], skip: int = 0):
         self.c, self.pieces, self.write_slots, self.q_positions, self.track = corr, pieces, write_slots, q_positions, track
+        self.skip = skip          # leading queries that sit inside reused pieces: their KV is not written
         self.mass = [torch.zeros(len(pieces[i].slots), device=q_positions.device) for i in track]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         store = self.c.store
-        store.write(layer, self.write_slots, k, v)
+        store.write(layer, self.write_slots, k[self.skip:], v[self.skip:])
         out, masses = view_attention(q, self.q_positions, self.pieces, store.k[layer], store.v[layer], layer,
                                      self.c.model.scale, self.c.realigner, return_mass=True)
         for acc, i in zip(self.mass, self.track):

@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections import defaultdict
+from dataclasses import asdict
 from typing import Any, AsyncIterator, Iterable
 
 import torch
@@ -28,6 +29,7 @@ from .kv_store import KVStore
 from .loader import load_model
 from .model import LlamaModel
 from .outputs import RequestOutput, StreamDelta, Usage
+from .prefetch import Prefetcher
 from .request import Request
 from .runner import ModelRunner
 from .sampling import Sampler, make_generator
@@ -63,6 +65,9 @@ class Engine:
                                    Realigner.from_rope(self.model.rope), self.predecessors,
                                    AnchorPool(self.config.kvcomm_anchors, self.config.kvcomm_threshold))
         self.scheduler.corrector = self.corrector
+        self.corrector.joint_basis = self.config.basis == "request"
+        self.prefetcher = (Prefetcher(self.scheduler, self.corrector, self.successors, self.config.prefetch_ratio)
+                           if self.config.prefetch else None)
         self.runner = ModelRunner(self.model, self.store, self.corrector, self.config.view_path)
         self.sampler = Sampler()
         self.formatter = ChatFormatter(self.tokenizer, self.max_context)
@@ -157,6 +162,11 @@ class Engine:
         with self._stats_lock:
             return [a for a, b in self.edges if b == agent]
 
+    def successors(self, agent: str) -> list[str]:
+        """Agents with an edge from ``agent``, in registration order."""
+        with self._stats_lock:
+            return [b for a, b in self.edges if a == agent and b != agent]
+
     def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
         """Prompt tokens these messages render to (with the generation prompt)."""
         with self._tok_lock:
@@ -190,7 +200,7 @@ class Engine:
             "agents": agents,
             "edges": list(self.edges),
             "recompute_ratio": self.config.recompute_ratio, "rank": self.config.rank,
-            "reference": self.config.reference,
+            "reference": self.config.reference, "basis": self.config.basis, "prefetch_ratio": self.config.prefetch_ratio,
             "home_views": seg.homes, "home_view_tokens": seg.home_tokens, "home_view_bytes": home_bytes,
             "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
             "correction_bytes_by_agent": seg.by_agent, "home_views_evicted": seg.evicted,
@@ -203,6 +213,7 @@ class Engine:
             "kv_bytes_total_peak": max(self._peak_total, kv.kv_bytes + extra),
             "realign_refused": self.realign_refused,
             "realign_refusals": counters.get("realign_refusals", 0),
+            "prefetch": asdict(self.prefetcher.stats) if self.prefetcher is not None else None,
         }
 
     def reset_peak(self) -> None:
@@ -275,12 +286,16 @@ class Engine:
     def _loop(self) -> None:
         while True:
             try:
-                if not self._drain_inbox(block=not self.scheduler.has_work()):
+                prefetching = self.prefetcher is not None and self.prefetcher.has_work()
+                if not self._drain_inbox(block=not (self.scheduler.has_work() or prefetching)):
                     break
+                if self.prefetcher is not None:   # an agent's own queued prefetch runs before its request
+                    self.prefetcher.run_for({r.agent for r in self.scheduler.waiting})
                 items = self.scheduler.schedule()
                 self._correct_pending()
                 if items:
                     self._step(items)
+                self._prefetch_when_quiet()
                 self._track_peak()
             except Exception as exc:     # a bug outside any one request: fail everything in flight
                 for req in list(self.scheduler.running) + list(self.scheduler.waiting):
@@ -317,6 +332,17 @@ class Engine:
                 except Exception as exc:
                     self._fail(req, EngineError(f"correction failed for {req.request_id}: {exc!r}"))
 
+    def _prefetch_when_quiet(self) -> None:
+        """Ahead-of-time corrections run only while nothing waits and nobody is prefilling (e.g. during
+        decode), so they never delay a first token; a decode step waits for one at most."""
+        p = self.prefetcher
+        if p is None or not p.has_work() or self.scheduler.waiting:
+            return
+        if any(r.in_prefill for r in self.scheduler.running):
+            return
+        p.run_one({r.agent for r in self.scheduler.running})
+        self._track_peak()
+
     def _track_peak(self) -> None:
         total = (self.store.stats().kv_bytes + self.scheduler.segments.correction_bytes
                  + self.corrector.anchors.nbytes)
@@ -345,6 +371,8 @@ class Engine:
                 req = item.request
                 if req.options.reuse in CROSS_AGENT_MODES and not req.registered and not req.in_prefill:
                     self.corrector.register_homes(req)
+                    if self.prefetcher is not None:
+                        self.prefetcher.observe(req)
             if sampling:
                 self._sample(sampling, logits)
 

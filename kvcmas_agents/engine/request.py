@@ -60,6 +60,7 @@ class Request:
     own_prefix_end: int = 0                # own prefill [0, own_prefix_end), then pieces, then own tail
     reuse_end: int = 0                     # first position after the reused pieces
     registered: bool = False               # home views of its own segments registered
+    select_from: int | None = None         # first query position of the selection pass (None: reuse_end)
     finish_reason: str | None = None
     stop_reason: str | None = None
     aborted: bool = False

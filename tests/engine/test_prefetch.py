@@ -1,0 +1,125 @@
+"""Ahead-of-time corrections along the edge order (engine/prefetch.py) on the real default model."""
+from __future__ import annotations
+
+import pytest
+
+from kvcmas_agents import Engine, EngineConfig, SamplingParams
+from kvcmas_agents.engine import ReuseOptions
+from kvcmas_agents.fidelity import CSV_SYSTEM as SYSTEM
+from kvcmas_agents.fidelity import CSV_TASK as TASK
+from kvcmas_agents.fidelity import kl
+
+FIRST = SamplingParams(max_tokens=1, return_logits=True)
+EDGES = [("planner", "coder"), ("coder", "reviewer")]
+EXACT = ReuseOptions(reuse="none")
+
+
+def prompt(agent: str, history: list[dict]) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM[agent]}] + history
+
+
+@pytest.fixture(scope="module")
+async def histories():
+    """Round-1 and round-2 shared histories grown by exact greedy replies."""
+    engine = Engine(EngineConfig(reuse="none"))
+    history = [{"role": "user", "content": TASK}]
+    rounds = []
+    try:
+        for note in ("Round 1.", "Round 2: improve the previous answers."):
+            history.append({"role": "user", "content": note})
+            snapshot = []
+            for agent in SYSTEM:
+                snapshot.append(list(history))
+                out = await engine.generate(prompt(agent, history), agent=agent, sampling=SamplingParams(max_tokens=32))
+                history.append({"role": "user", "content": f"[{agent}] {out.text}"})
+            rounds.append(snapshot)      # the history each agent saw, in turn order
+    finally:
+        await engine.aclose()
+    return rounds
+
+
+async def play(engine: Engine, rounds: list[list[list[dict]]], sampling=FIRST) -> list:
+    outs = []
+    for snapshot in rounds:
+        for agent, history in zip(SYSTEM, snapshot):
+            outs.append(await engine.generate(prompt(agent, history), agent=agent, sampling=sampling))
+    return outs
+
+
+async def test_successors_corrections_are_computed_ahead_and_used(histories):
+    plain = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
+    ahead = Engine(EngineConfig(reuse="kvcmas"))
+    naive = Engine(EngineConfig(reuse="naive"))
+    exact = Engine(EngineConfig(reuse="none"))
+    try:
+        for e in (plain, ahead, naive):
+            e.set_edges(EDGES)
+        base, pre, ref = await play(plain, histories), await play(ahead, histories), await play(exact, histories)
+        floor = await play(naive, histories)
+        stats = ahead.stats()["prefetch"]
+        assert plain.stats()["prefetch"] is None
+        # Round 2's coder and reviewer find their shared segments already corrected by the prefetch.
+        assert stats["corrections"] >= 2 and stats["failed"] == 0 and stats["recomputed_tokens"] > 0
+        for i in (4, 5):
+            assert pre[i].usage.reused_tokens == base[i].usage.reused_tokens > 0
+            assert pre[i].usage.recomputed_tokens < base[i].usage.recomputed_tokens
+        # Round 1 has nothing to prefetch from (the successor's own prefix is not known yet).
+        assert [o.usage.recomputed_tokens for o in pre[:3]] == [o.usage.recomputed_tokens for o in base[:3]]
+        # Corrections selected before the real tail is known still beat naive reuse on those turns (the
+        # harness measures the averages: README, "Results").
+        ours = [kl(ref[i].logits[0], pre[i].logits[0]) for i in (3, 4, 5)]
+        worst = [kl(ref[i].logits[0], floor[i].logits[0]) for i in (3, 4, 5)]
+        assert sum(ours) < sum(worst) and max(ours) < 0.05, (ours, worst)
+        # Prefetch requests hold no KV afterwards: only home views stay referenced, as without prefetch.
+        assert ahead.stats()["blocks_in_use"] == plain.stats()["blocks_in_use"] > 0
+    finally:
+        for e in (plain, ahead, naive, exact):
+            await e.aclose()
+
+
+async def test_no_edges_no_prefetch(histories):
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    try:
+        await play(engine, histories[:1])
+        assert engine.stats()["prefetch"]["queued"] == 0
+    finally:
+        await engine.aclose()
+
+
+async def test_a_failing_prefetch_only_costs_the_optimisation(histories, monkeypatch):
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    engine.set_edges(EDGES)
+    real = engine.corrector.correct
+
+    def broken(req):
+        if req.request_id.startswith("prefetch-"):
+            raise RuntimeError("injected")
+        return real(req)
+
+    monkeypatch.setattr(engine.corrector, "correct", broken)
+    try:
+        outs = await play(engine, histories)
+        stats = engine.stats()
+        assert stats["prefetch"]["failed"] >= 2 and stats["prefetch"]["corrections"] == 0
+        assert all(o.finish_reason in ("stop", "length") for o in outs)
+        assert outs[4].usage.recomputed_tokens > 0        # corrected inline instead
+        assert stats["failed"] == 0 and stats["num_running"] == 0
+    finally:
+        await engine.aclose()
+
+
+async def test_a_wrong_prediction_is_never_used(histories):
+    """The successor's real prompt differs from the predicted one (other shared text): nothing matches
+    the prefetched context, so its segments are corrected inline."""
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    engine.set_edges(EDGES)
+    try:
+        await play(engine, histories[:1])
+        round2 = histories[1]
+        await engine.generate(prompt("planner", round2[0]), agent="planner", sampling=FIRST)
+        altered = [{"role": "user", "content": "A different task: sort a list."}] + round2[1][1:]
+        out = await engine.generate(prompt("coder", altered), agent="coder", sampling=FIRST)
+        assert out.usage.recomputed_tokens > 0
+        assert engine.stats()["prefetch"]["corrections"] >= 1
+    finally:
+        await engine.aclose()
