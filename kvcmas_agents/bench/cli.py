@@ -6,13 +6,15 @@ import asyncio
 import shlex
 import sys
 
-from ..engine.config import EngineConfig
 from .methods import DEFAULT_METHODS, METHODS, sweep_methods
 from .report import markdown, write_report
 from .runner import BenchConfig, run_bench
 from .traces import PRESETS, get_traces
 
-SWEEP = {"quick": ((0.2, 1.0), ()), "full": ((0.1, 0.2, 0.3, 1.0), (4, 32)), "long": ((0.2,), ()), "tiny": ((), ())}
+# Per preset: recompute ratios, ranks and prefetch ratios swept (other knobs at engine defaults), and
+# whether to add a run without ahead-of-time corrections.
+SWEEP = {"quick": ((0.2, 1.0), (), (), True), "full": ((0.2, 0.3, 1.0), (8, 32), (0.5,), True),
+         "long": ((), (), (), True), "tiny": ((), (), (), False)}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -27,6 +29,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--throughput-tokens", type=int, default=32, help="decode tokens per agent (0: skip)")
     parser.add_argument("--sweep-ratios", type=float, nargs="*", default=None)
     parser.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
+    parser.add_argument("--no-sweep", action="store_true", help="skip the kvcmas knob sweep")
     parser.add_argument("--kv-budget-mib", type=int, default=None, help="KV budget per engine (default 2 GiB)")
     parser.add_argument("--out", default="benchmarks/results/bench", help="output folder")
     parser.add_argument("--model", default=None, help="checkpoint dir, .gguf, or random:<shape> (GPU speed runs)")
@@ -35,15 +38,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     traces = get_traces(args.preset, args.traces)
-    ratios, ranks = SWEEP[args.preset]
-    ratios = tuple(args.sweep_ratios if args.sweep_ratios is not None else ratios)
-    ranks = tuple(args.sweep_ranks if args.sweep_ranks is not None else ranks)
-    defaults = EngineConfig.__dataclass_fields__
-    sweep = [m for m in sweep_methods(ratios, ranks, defaults["rank"].default, defaults["recompute_ratio"].default)
-             if (m.recompute_ratio, m.rank) != (defaults["recompute_ratio"].default, defaults["rank"].default)]
-    cfg = BenchConfig(traces, list(args.methods), sweep if ratios or ranks else [], traces[0].name,
-                      args.eval_tokens, args.throughput_tokens, args.model, args.device,
-                      args.kv_budget_mib * 2**20 if args.kv_budget_mib else None)
+    ratios, ranks, prefetch_ratios, no_prefetch = SWEEP[args.preset]
+    if args.sweep_ratios is not None:
+        ratios = tuple(args.sweep_ratios)
+    if args.sweep_ranks is not None:
+        ranks = tuple(args.sweep_ranks)
+    if args.no_sweep:
+        ratios, ranks, prefetch_ratios, no_prefetch = (), (), (), False
+    sweep = sweep_methods(ratios, ranks, prefetch_ratios, no_prefetch)
+    cfg = BenchConfig(traces, list(args.methods), sweep, traces[0].name, args.eval_tokens, args.throughput_tokens,
+                      args.model, args.device, args.kv_budget_mib * 2**20 if args.kv_budget_mib else None)
     result = asyncio.run(run_bench(cfg))
     result["config"]["preset"] = args.preset
     command = "kvcmas bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else ""

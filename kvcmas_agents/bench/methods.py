@@ -15,19 +15,24 @@ class Method:
     recompute_ratio: float | None = None
     rank: int | None = None
     reference: str | None = None
+    prefetch: bool | None = None
+    prefetch_ratio: float | None = None
+
+    def _knobs(self) -> dict:
+        return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio")
+                if getattr(self, k) is not None}
 
     def config(self, model: str | None, device: str, **extra) -> EngineConfig:
-        knobs = {k: v for k, v in (("recompute_ratio", self.recompute_ratio), ("rank", self.rank),
-                                   ("reference", self.reference)) if v is not None}
-        return EngineConfig(model=model, device=device, reuse=self.reuse, **knobs, **extra)
+        return EngineConfig(model=model, device=device, reuse=self.reuse, **self._knobs(), **extra)
 
     @property
     def label(self) -> str:
-        if self.recompute_ratio is None and self.rank is None and self.reference is None:
+        short = {"recompute_ratio": "r", "rank": "k", "reference": "ref", "prefetch": "prefetch",
+                 "prefetch_ratio": "pr"}
+        knobs = self._knobs()
+        if not knobs:
             return self.name
-        knobs = [f"r={self.recompute_ratio}" if self.recompute_ratio is not None else "",
-                 f"k={self.rank}" if self.rank is not None else "", self.reference or ""]
-        return f"{self.name}({','.join(k for k in knobs if k)})"
+        return f"{self.name}({','.join(f'{short[k]}={v}' for k, v in knobs.items())})"
 
 
 METHODS: dict[str, Method] = {
@@ -41,8 +46,13 @@ METHODS: dict[str, Method] = {
 DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
 
 
-def sweep_methods(ratios: tuple[float, ...], ranks: tuple[int, ...], default_rank: int,
-                  default_ratio: float) -> list[Method]:
-    """kvcmas over recompute_ratio at the default rank, and over rank at the default ratio."""
-    points = {(r, default_rank) for r in ratios} | {(default_ratio, k) for k in ranks}
-    return [Method("kvcmas", "kvcmas", recompute_ratio=r, rank=k) for r, k in sorted(points)]
+def sweep_methods(ratios: tuple[float, ...], ranks: tuple[int, ...], prefetch_ratios: tuple[float, ...] = (),
+                  no_prefetch: bool = False) -> list[Method]:
+    """kvcmas over recompute_ratio, over rank, over prefetch_ratio (each with the other knobs at their
+    defaults), and optionally without ahead-of-time corrections."""
+    out = [Method("kvcmas", "kvcmas", recompute_ratio=r) for r in ratios]
+    out += [Method("kvcmas", "kvcmas", rank=k) for k in ranks]
+    out += [Method("kvcmas", "kvcmas", prefetch_ratio=p) for p in prefetch_ratios]
+    if no_prefetch:
+        out.append(Method("kvcmas", "kvcmas", prefetch=False))
+    return out

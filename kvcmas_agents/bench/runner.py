@@ -93,11 +93,13 @@ class _Bench:
             if self.cuda:
                 memory["cuda_peak_over_pool_bytes"] = int(torch.cuda.max_memory_allocated() - base)
             served = sorted({t.served for t in turns})
+            engine_stats = {k: stats.get(k) for k in ("anchors", "anchor_hits", "anchor_misses", "corrections",
+                                                      "home_views", "prefetch")}
         finally:
             await engine.aclose()
         return {"method": method.name, "label": method.label, "reuse": method.reuse, "knobs": asdict(method),
                 "served": served, "wall_s": wall, **ttft_summary(turns), "fidelity": summarize(turns),
-                "memory": memory, "turns": [t.to_dict() for t in turns]}
+                "memory": memory, "engine": engine_stats, "turns": [t.to_dict() for t in turns]}
 
     async def throughput(self, trace: Trace, exact: list[ExactTurn], method: Method) -> dict[str, Any]:
         """Aggregate decode tokens/s of the last turns' agents run concurrently vs one after another."""
