@@ -34,6 +34,9 @@ from .view_gather import build_view, gathered_kv
 __all__ = ["CROSS_AGENT_MODES", "Corrector"]
 
 
+MAX_FRAME = 16          # tokens of role header and trailer around a decoded reply inside its message
+
+
 class Corrector:
     def __init__(self, model: LlamaModel, store: KVStore, segments: SegmentStore, realigner: Realigner,
                  predecessors: Callable[[str], list[str]], anchors: AnchorPool | None = None):
@@ -50,21 +53,20 @@ class Corrector:
         segs = [s for s in req.prompt.segments if s.kind != "suffix" and s.length > 0]
         pieces: list[ReusePiece] = []
         own_prefix_end = 0
-        for i, seg in enumerate(segs):
-            tokens = tuple(ids[seg.start:seg.end])
-            home = self.segments.lookup(tokens)
-            ctx = context_key(agent, ids, seg.start)
+        for start, end, home in (part for seg in segs for part in self._parts(ids, seg.start, seg.end)):
+            tokens = tuple(ids[start:end])
+            ctx = context_key(agent, ids, start)
             if home is None:
                 if not pieces:
-                    own_prefix_end = seg.end       # e.g. this agent's new system prompt
+                    own_prefix_end = end           # e.g. this agent's new system prompt
                 else:                              # new text between reused ones: computed with the correction
-                    pieces.append(ReusePiece(None, seg.start, seg.end, ctx, pending=True))
+                    pieces.append(ReusePiece(None, start, end, ctx, pending=True))
                 continue
-            piece = ReusePiece(home, seg.start, seg.end, ctx)
-            if piece.delta == 0 and (seg.start == 0 or (home.agent == agent and home.context == ctx)):
+            piece = ReusePiece(home, start, end, ctx)
+            if piece.delta == 0 and (start == 0 or (home.agent == agent and home.context == ctx)):
                 piece.exact = True                 # same tokens under the same view: KV is identical
             elif req.options.reuse == "kvcmas":
-                corr = self.segments.correction(agent, tokens, seg.start, ctx)
+                corr = self.segments.correction(agent, tokens, start, ctx)
                 if corr is not None:
                     piece.chain = list(corr.chain)
                 else:
@@ -84,6 +86,30 @@ class Corrector:
                 self.segments.pin(p.home)
         req.cached_tokens = sum(p.end - p.start for p in pieces if p.exact)
         req.reused_tokens = sum(p.end - p.start for p in pieces if p.home is not None and not p.exact)
+
+    def _parts(self, ids: list[int], start: int, end: int) -> list[tuple[int, int, object]]:
+        """A message segment as (start, end, home) parts: the whole segment's home view; else a decoded
+        reply found inside it, between new header and trailer text; else new text."""
+        tokens = tuple(ids[start:end])
+        home = self.segments.lookup(tokens)
+        if home is not None:
+            return [(start, end, home)]
+        found = self.segments.find_decoded(tokens)
+        # Only a reply decoded (almost) whole: a partial one would leave most of the message as new
+        # text that every later agent computes again under its partly corrected view.
+        if found is None or len(tokens) - len(found[1].key) > MAX_FRAME:
+            return [(start, end, None)]
+        offset, home = found
+        a, b = start + offset, start + offset + len(home.key)
+        return [part for part in ((start, a, None), (a, b, home), (b, end, None)) if part[1] > part[0]]
+
+    def register_decoded(self, req: Request) -> None:
+        """A finished request's generated tokens with KV become a home view (DESIGN.md step 5)."""
+        begin = len(req.prompt_ids)
+        n = req.num_computed - begin              # the last sampled token was never fed: no KV
+        if n > 0 and req.blocks and min(req.blocks[begin // self.store.block_size:], default=0) >= 0:
+            self.segments.register_decoded(tuple(req.output_ids[:n]), req.agent, begin,
+                                           context_key(req.agent, req.all_ids, begin), req.blocks)
 
     def release(self, req: Request) -> None:
         for p in req.pieces:

@@ -427,6 +427,11 @@ class Engine:
     def _retire(self, req: Request, reason: str, text: str = "") -> None:
         """Finish a request: free its KV, record stats, and send the final event."""
         req.finish_reason = reason
+        if reason in ("stop", "length") and req.options.reuse in CROSS_AGENT_MODES and req.prompt.prefix_stable:
+            try:    # the reply's decode KV becomes its home view; an error here costs only the reuse
+                self.corrector.register_decoded(req)
+            except Exception:
+                pass
         self.scheduler.finish(req)
         if reason in ("aborted", "error"):
             with self._stats_lock:

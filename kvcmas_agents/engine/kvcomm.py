@@ -32,9 +32,9 @@ def placeholder(req: Request, piece: ReusePiece) -> int:
     """The slot of a reused span in the agent's prompt: its chat message index (negative ordinal when the
     segment has none, e.g. an injected tool-instruction message)."""
     for i, seg in enumerate(req.prompt.segments):
-        if seg.start == piece.start:
+        if seg.start <= piece.start < seg.end:      # a decoded reply may start inside its message
             return seg.message_index if seg.message_index is not None else -(i + 1)
-    raise ValueError(f"no prompt segment starts at {piece.start}")
+    raise ValueError(f"no prompt segment holds position {piece.start}")
 
 
 class KVComm:

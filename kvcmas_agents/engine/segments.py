@@ -17,6 +17,10 @@ from .kv_store import KVStore
 from .lowrank import LowRankDelta, unique_nbytes
 
 
+DECODE_KEY = 4          # tokens indexing decoded replies for the search inside segments
+MIN_DECODED = 8         # shorter replies are not worth a home (and match by accident)
+
+
 def context_key(agent: str, token_ids: list[int], end: int) -> int:
     """Identity of what precedes a segment: the agent (its view) and the tokens before it."""
     return hash((agent, tuple(token_ids[:end])))
@@ -31,6 +35,7 @@ class HomeView:
     slots: torch.Tensor         # KV slots of its tokens, in order
     blocks: list[int]           # blocks holding those slots (referenced by the store)
     users: int = 0              # running requests reading it (pinned while > 0)
+    decoded: bool = False       # KV from the generating agent's decode, matched inside message segments
 
 
 @dataclass
@@ -64,6 +69,7 @@ class SegmentStore:
         self.store = store
         self._homes: OrderedDict[tuple[int, ...], HomeView] = OrderedDict()
         self._corrections: dict[tuple[str, tuple[int, ...], int, int], Correction] = {}
+        self._decoded: dict[tuple[int, ...], list[HomeView]] = {}    # first DECODE_KEY tokens -> homes
         self.evicted = 0
         self.is_cached: Callable[[int], bool] = lambda block: False   # prefix-cache membership
 
@@ -87,6 +93,30 @@ class SegmentStore:
         self._homes[tokens] = home
         return home
 
+    def register_decoded(self, tokens: tuple[int, ...], agent: str, start: int, context: int,
+                         blocks: list[int]) -> HomeView | None:
+        """Keep a reply's decode KV as the home of its tokens, wherever they later appear in a message."""
+        if len(tokens) < MIN_DECODED:
+            return None
+        home = self.register(tokens, agent, start, context, blocks)
+        if home is not None:
+            home.decoded = True
+            self._decoded.setdefault(tokens[:DECODE_KEY], []).append(home)
+        return home
+
+    def find_decoded(self, tokens: tuple[int, ...]) -> tuple[int, HomeView] | None:
+        """The longest decoded reply that occurs whole inside ``tokens`` (a message segment, whose role
+        header and trailer differ from the reply's), as (offset, home)."""
+        best: tuple[int, HomeView] | None = None
+        for i in range(len(tokens) - MIN_DECODED + 1):
+            for home in self._decoded.get(tokens[i:i + DECODE_KEY], ()):
+                n = len(home.key)
+                if tokens[i:i + n] == home.key and (best is None or n > len(best[1].key)):
+                    best = (i, home)
+        if best is not None:
+            self._homes.move_to_end(best[1].key)
+        return best
+
     def correction(self, agent: str, tokens: tuple[int, ...], start: int, context: int) -> Correction | None:
         return self._corrections.get((agent, tokens, start, context))
 
@@ -107,6 +137,10 @@ class SegmentStore:
         for key, home in self._homes.items():
             if home.users == 0:
                 del self._homes[key]
+                if home.decoded:
+                    self._decoded[key[:DECODE_KEY]].remove(home)
+                    if not self._decoded[key[:DECODE_KEY]]:
+                        del self._decoded[key[:DECODE_KEY]]
                 for b in home.blocks:
                     self.store.decref(b, cached=self.is_cached(b))
                 for ck in [ck for ck in self._corrections if ck[1] == key]:

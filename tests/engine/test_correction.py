@@ -160,3 +160,27 @@ async def test_query_and_gather_view_paths_agree():
     assert outs[0].token_ids == outs[1].token_ids
     for a, b in zip(outs[0].logits, outs[1].logits):
         assert torch.allclose(a, b, atol=1e-3)
+
+
+async def test_a_reply_is_reused_from_its_generating_agents_decode(engine):
+    """DESIGN.md step 5: a reply's home view is its generating agent's decode, found inside the next
+    agent's message (whose role header differs), then corrected like any reused segment."""
+    ours = Engine(EngineConfig(reuse="kvcmas"))
+    try:
+        history = [{"role": "user", "content": TASK}]
+        reply = await ours.generate(prompt("planner", history), agent="planner",
+                                    sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+        assert ours.stats()["home_views"] >= 3              # system, task, and the decoded reply
+        seen = history + [{"role": "user", "content": f"[planner]\n{reply.text}"}]
+        other = history + [{"role": "user", "content": f"[planner]\nNote: {reply.text}"}]   # no whole match
+        got = await ours.generate(prompt("coder", seen), agent="coder", sampling=FIRST)
+        ctl = await ours.generate(prompt("coder", other), agent="coder-control", sampling=FIRST)
+        # The decoded tokens with KV (all but the last sampled one) are reused, not prefilled.
+        assert got.usage.reused_tokens >= ctl.usage.reused_tokens + reply.usage.completion_tokens - 1
+        exact = await engine.generate(prompt("coder", seen), agent="coder", sampling=FIRST,
+                                      reuse_options=ReuseOptions(reuse="none"))
+        naive = await ours.generate(prompt("coder", seen), agent="coder-naive", sampling=FIRST,
+                                    reuse_options=ReuseOptions(reuse="naive"))
+        assert kl(exact.logits[0], got.logits[0]) < kl(exact.logits[0], naive.logits[0])
+    finally:
+        await ours.aclose()
