@@ -211,6 +211,7 @@ class Engine:
             "anchor_misses": anchors.misses, "anchors_evicted": anchors.evicted,
             "kv_bytes_total": kv.kv_bytes + extra,
             "kv_bytes_total_peak": max(self._peak_total, kv.kv_bytes + extra),
+            "view_path": self.runner.view_path, "view_path_fallback": self.runner.view_fallback,
             "realign_refused": self.realign_refused,
             "realign_refusals": counters.get("realign_refusals", 0),
             "prefetch": asdict(self.prefetcher.stats) if self.prefetcher is not None else None,

@@ -6,7 +6,7 @@ import torch
 from .attention import PagedAttention, SeqSlice
 from .correction import Corrector
 from .view_gather import build_view
-from .view_pack import pack_view, resolve_view_path
+from .view_pack import pack_view, resolve_view_path, self_check
 from .kv_store import KVStore
 from .model import LlamaModel
 from .scheduler import StepItem
@@ -20,6 +20,13 @@ class ModelRunner:
         self.model = model
         self.store = store
         self.corrector = corrector
+        self.view_fallback: str | None = None
+        if view_path == "auto" and self.view_path == "triton" and corrector is not None:
+            a = model.args
+            self.view_fallback = self_check(corrector.realigner, a.num_kv_heads, a.num_heads, a.head_dim,
+                                            model.device, store.k.dtype)
+            if self.view_fallback is not None:
+                self.view_path = "gather"
 
     @torch.inference_mode()
     def run(self, items: list[StepItem]) -> torch.Tensor:

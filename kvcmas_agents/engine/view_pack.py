@@ -127,3 +127,31 @@ def packed_attention(q: torch.Tensor, q_positions: torch.Tensor, desc: "ViewDesc
     """The Triton kernel over a packed view: same contract as ``view_attention`` (without masses)."""
     from ..kernels.view_attention import view_attention_fwd
     return view_attention_fwd(q, q_positions, k_cache, v_cache, desc, layer, scale)
+
+
+def self_check(realigner: Realigner, kv_heads: int, heads: int, head_dim: int, device: torch.device,
+               dtype: torch.dtype, tol: float = 5e-2) -> str | None:
+    """Run the kernel once on a small random view against the torch reference (``view_attention``).
+
+    Returns None when they agree, else why not (an exception, or the max error). The engine runs this
+    before picking the kernel by default on a GPU, and falls back to the torch path with the reason in
+    ``stats()["view_path_fallback"]`` rather than serve from a kernel it has not seen work there.
+    """
+    from .view_attention import OwnPiece, view_attention
+    g = torch.Generator(device="cpu").manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    k, v = rand(80, kv_heads, head_dim), rand(80, kv_heads, head_dim)
+    rows = torch.tensor([1, 4, 9, 20], device=device)
+    delta = LowRankDelta(rows, rand(1, kv_heads, 4, 2) * 0.1, rand(1, kv_heads, 2, head_dim),
+                         rand(1, kv_heads, 4, 2) * 0.1, rand(1, kv_heads, 2, head_dim))
+    ar = lambda a, b: torch.arange(a, b, device=device)  # noqa: E731
+    pieces = [OwnPiece(ar(0, 10), ar(0, 10)), SegmentPiece(ar(40, 70), ar(10, 40), delta=-30, deltas=[delta]),
+              OwnPiece(ar(10, 19), ar(40, 49))]
+    q, q_pos = rand(5, heads, head_dim), ar(44, 49)
+    try:
+        want = view_attention(q, q_pos, pieces, k, v, 0, head_dim ** -0.5, realigner).float()
+        got = packed_attention(q, q_pos, pack_view(pieces, realigner, device), k, v, 0, head_dim ** -0.5).float()
+    except Exception as exc:        # e.g. no compiler for this GPU
+        return f"kernel failed: {exc!r}"
+    err = (got - want).abs().max().item()
+    return None if err <= tol else f"kernel disagrees with the torch reference: max error {err:.3g} > {tol}"

@@ -120,3 +120,31 @@ def test_query_before_every_key_gets_zeros():
     early = view_attention_fwd(q, torch.tensor([-1, qp[-1].item()], device=DEV), kc, vc, desc, 0, scale)
     assert torch.equal(early[0], torch.zeros_like(early[0]))
     assert torch.isfinite(early).all()
+
+
+def test_self_check_passes_and_catches_a_wrong_kernel(monkeypatch):
+    import kvcmas_agents.engine.view_pack as vp
+    realigner = Realigner(inv_frequencies(64, 10000.0, None, 4096)[0])
+    assert vp.self_check(realigner, 2, 6, 64, torch.device("cpu"), torch.float32) is None
+    monkeypatch.setattr(vp, "packed_attention", lambda q, *a, **k: torch.zeros_like(q))
+    assert "disagrees" in vp.self_check(realigner, 2, 6, 64, torch.device("cpu"), torch.float32)
+
+    def boom(*a, **k):
+        raise RuntimeError("no compiler")
+    monkeypatch.setattr(vp, "packed_attention", boom)
+    assert "kernel failed" in vp.self_check(realigner, 2, 6, 64, torch.device("cpu"), torch.float32)
+
+
+def test_runner_falls_back_to_torch_and_says_why_when_the_self_check_fails(monkeypatch):
+    from types import SimpleNamespace
+
+    import kvcmas_agents.engine.runner as runner_mod
+    monkeypatch.setattr(runner_mod, "resolve_view_path", lambda path, device: "triton")   # as on a GPU
+    monkeypatch.setattr(runner_mod, "self_check", lambda *a, **k: "kernel failed: RuntimeError('no ptxas')")
+    model = SimpleNamespace(device=torch.device("cpu"), args=SimpleNamespace(num_kv_heads=2, num_heads=6, head_dim=64))
+    store = SimpleNamespace(k=torch.zeros(1, dtype=torch.bfloat16))
+    corrector = SimpleNamespace(realigner=None)
+    r = runner_mod.ModelRunner(model, store, corrector, "auto")
+    assert r.view_path == "gather" and "no ptxas" in r.view_fallback
+    forced = runner_mod.ModelRunner(model, store, corrector, "triton")    # asked for explicitly: no check
+    assert forced.view_path == "triton" and forced.view_fallback is None
