@@ -13,7 +13,7 @@ from .traces import PRESETS, get_traces
 
 # Per preset: recompute ratios, ranks and prefetch ratios swept (other knobs at engine defaults), and
 # whether to add a run without ahead-of-time corrections.
-SWEEP = {"quick": ((0.2, 1.0), (), (), True), "full": ((0.2, 0.3, 1.0), (8, 32), (0.5,), True),
+SWEEP = {"quick": ((0.2, 1.0), (), (), True), "full": ((0.3,), (), (), True),
          "long": ((), (), (), True), "tiny": ((), (), (), False)}
 
 
@@ -25,7 +25,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_const", const="quick", dest="preset", help="same as --preset quick")
     parser.add_argument("--traces", nargs="+", default=None, help="only these traces of the preset")
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(METHODS))
-    parser.add_argument("--eval-tokens", type=int, default=16, help="teacher-forced continuation per turn")
+    parser.add_argument("--eval-tokens", type=int, default=16, help="teacher-forced tokens scored per turn")
+    parser.add_argument("--decode", choices=("full", "window"), default="full",
+                        help="replayed turns decode the whole exact reply (full, as agents do) or only the "
+                             "scored window")
     parser.add_argument("--throughput-tokens", type=int, default=32, help="decode tokens per agent (0: skip)")
     parser.add_argument("--sweep-ratios", type=float, nargs="*", default=None)
     parser.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
@@ -46,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if args.no_sweep:
         ratios, ranks, prefetch_ratios, no_prefetch = (), (), (), False
     sweep = sweep_methods(ratios, ranks, prefetch_ratios, no_prefetch)
-    cfg = BenchConfig(traces, list(args.methods), sweep, traces[0].name, args.eval_tokens, args.throughput_tokens,
-                      args.model, args.device, args.kv_budget_mib * 2**20 if args.kv_budget_mib else None)
+    cfg = BenchConfig(traces, list(args.methods), sweep, traces[0].name, args.eval_tokens, args.decode == "full",
+                      args.throughput_tokens, args.model, args.device,
+                      args.kv_budget_mib * 2**20 if args.kv_budget_mib else None)
     result = asyncio.run(run_bench(cfg))
     result["config"]["preset"] = args.preset
     command = "kvcmas bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else ""

@@ -80,7 +80,8 @@ def markdown(result: dict[str, Any], command: str = "") -> str:
     c = result["config"]
     out = ["# kvcmas bench", "",
            f"Model `{c['model_name']}` on `{c['device_used']}` ({c['dtype']}, {c['torch_threads']} torch threads); "
-           f"teacher-forced continuation {c['eval_tokens']} tokens; total {result['timing']['total_s']:.0f} s.",
+           f"fidelity scored on {c['eval_tokens']} teacher-forced tokens per turn; replayed turns decode "
+           f"{'the whole exact reply' if c.get('full_decode') else 'only that window'}; total {result['timing']['total_s']:.0f} s.",
            *([f"Command: `{command}`"] if command else []), "",
            "TTFT and fidelity are over the later turns (every turn after the first turn group, i.e. those that "
            "can reuse another agent's KV). Peak memory is the engine's accounting of KV blocks in use or cached, "

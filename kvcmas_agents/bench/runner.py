@@ -37,7 +37,8 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     sweep: list[Method] = field(default_factory=list)
     sweep_trace: str = "pipeline"
-    eval_tokens: int = 16             # teacher-forced continuation per turn (fidelity; also decode work)
+    eval_tokens: int = 16             # teacher-forced tokens scored per turn (fidelity)
+    full_decode: bool = True          # decode each whole exact reply, as agents do (else only the window)
     throughput_tokens: int = 32       # decode tokens per agent in the concurrency test (0 skips it)
     model: str | None = None
     device: str = "cpu"
@@ -86,7 +87,7 @@ class _Bench:
                 base = torch.cuda.memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            turns = await replay(engine, exact, self.cfg.eval_tokens)
+            turns = await replay(engine, exact, self.cfg.eval_tokens, self.cfg.full_decode)
             wall = time.perf_counter() - t0
             stats = engine.stats()
             memory = {k: int(stats.get(k, 0)) for k in MEMORY_KEYS}
@@ -155,7 +156,7 @@ async def run_bench(cfg: BenchConfig, log: Log = _stderr) -> dict[str, Any]:
     bench = _Bench(cfg, log)
     torch.linalg.svd(torch.randn(64, 64))        # the first SVD of a process loads MKL (seconds)
     result: dict[str, Any] = {"config": {
-        "model": cfg.model, "device": cfg.device, "eval_tokens": cfg.eval_tokens,
+        "model": cfg.model, "device": cfg.device, "eval_tokens": cfg.eval_tokens, "full_decode": cfg.full_decode,
         "throughput_tokens": cfg.throughput_tokens, "methods": list(cfg.methods),
         "sweep": [m.label for m in cfg.sweep], "torch_threads": torch.get_num_threads()}, "traces": {}}
     exact_engine = bench.engine(METHODS["none"])

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,7 @@ class ExactTurn:
     finish_reason: str
     tokens: list[int]
     logits: torch.Tensor
+    reply_ids: list[int] = field(default_factory=list)    # every generated token (the whole reply)
 
     def to_dict(self) -> dict:
         return {"index": self.index, "round": self.round, "group": self.group, "agent": self.agent,
@@ -67,6 +68,6 @@ async def run_exact(engine: Engine, scenario: Scenario, reply_tokens: int, eval_
             turns.append(ExactTurn(
                 len(turns), rnd, group, agent, messages, out.usage.prompt_tokens,
                 out.usage.prompt_tokens - system_only, out.text.strip(), out.usage.completion_tokens,
-                out.finish_reason, tokens, torch.stack(out.logits[:len(tokens)])))
+                out.finish_reason, tokens, torch.stack(out.logits[:len(tokens)]), list(out.token_ids)))
         history += [(a, t.reply) for a, t in zip(agents, turns[-len(agents):])]
     return turns

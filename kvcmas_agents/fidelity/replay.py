@@ -55,21 +55,33 @@ def _turn(exact: ExactTurn, out: RequestOutput, n: int) -> ReplayTurn:
                       u.prompt_tokens, u.cached_tokens, u.reused_tokens, u.recomputed_tokens, out.reuse, out.ttft_s)
 
 
-async def replay(engine: Engine, turns: list[ExactTurn], eval_tokens: int) -> list[ReplayTurn]:
+def forced_tokens(t: ExactTurn, eval_tokens: int, full_decode: bool) -> list[int]:
+    """What a replayed turn decodes: the evaluated window, or the whole exact reply (and the stop token
+    when the window evaluates it), as the agent really would."""
+    window = t.tokens[:eval_tokens]
+    if not full_decode or len(t.reply_ids) <= len(window):
+        return window
+    return list(t.reply_ids)
+
+
+async def replay(engine: Engine, turns: list[ExactTurn], eval_tokens: int, full_decode: bool = False) -> list[ReplayTurn]:
     """Run every turn's exact prompt in order on ``engine``, forcing the exact continuation.
 
-    The engine must be fresh (or its agents unseen): cross-agent state built by earlier turns is
-    part of what is measured. A turn group runs concurrently, as in the exact pass.
+    Fidelity is scored on the first ``eval_tokens``. With ``full_decode`` each turn decodes its whole
+    exact reply, as a real agent does: its decode KV then exists for later agents (decoded home views),
+    and ahead-of-time corrections get the decode's duration to run. The engine must be fresh (or its
+    agents unseen): cross-agent state built by earlier turns is part of what is measured. A turn group
+    runs concurrently, as in the exact pass.
     """
     results: list[ReplayTurn] = []
     for _, group in groupby(turns, key=lambda t: t.group):
         group = list(group)
 
         async def one(t: ExactTurn) -> ReplayTurn:
-            forced = t.tokens[:eval_tokens]
+            forced = forced_tokens(t, eval_tokens, full_decode)
             sampling = SamplingParams(max_tokens=len(forced), return_logits=True, forced_tokens=forced)
             out = await engine.generate(t.messages, agent=t.agent, sampling=sampling)
-            return _turn(t, out, len(forced))
+            return _turn(t, out, min(len(forced), len(t.tokens[:eval_tokens])))
 
         results += await asyncio.gather(*(one(t) for t in group))
     return results
