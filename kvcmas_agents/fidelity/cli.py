@@ -34,6 +34,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-ranks", type=int, nargs="+", default=None)
     parser.add_argument("--sweep-eval-tokens", type=int, default=8)
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--decode", choices=("full", "window"), default="full",
+                        help="replayed turns decode the whole exact reply (full) or only the scored window")
     parser.add_argument("--out", default="benchmarks/results/fidelity", help="output folder")
     parser.add_argument("--model", default=None, help="local checkpoint dir or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, cuda, cuda:N")
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         scenarios, modes=tuple(args.modes),
         knobs=ReuseOptions(recompute_ratio=args.recompute_ratio, rank=args.rank, reference=args.reference),
         reply_tokens=args.reply_tokens or preset["reply_tokens"], eval_tokens=args.eval_tokens or preset["eval_tokens"],
-        sweep=sweep, model=args.model, device=args.device))
+        sweep=sweep, model=args.model, device=args.device, full_decode=args.decode == "full"))
     result["config"]["quick"] = args.quick
     paths = write_report(result, args.out)
     print(summary_table(result), "", history_table(result), sep="\n")

@@ -41,8 +41,9 @@ class SweepGrid:
 class _Runner:
     """Builds fresh engines (one per mode and knob setting) and times each replay."""
 
-    def __init__(self, model: str | None, device: str, knobs: ReuseOptions, log: Log):
+    def __init__(self, model: str | None, device: str, knobs: ReuseOptions, log: Log, full_decode: bool = True):
         self.model, self.device, self.knobs, self.log = model, device, knobs, log
+        self.full_decode = full_decode
 
     def engine(self, reuse: str, knobs: ReuseOptions | None = None) -> Engine:
         k = knobs or self.knobs
@@ -56,7 +57,7 @@ class _Runner:
         try:
             engine.set_edges(scenario.edges)
             t0 = time.perf_counter()
-            turns = await replay(engine, exact, eval_tokens)
+            turns = await replay(engine, exact, eval_tokens, self.full_decode)
             wall = time.perf_counter() - t0
             stats = {k: engine.stats()[k] for k in STAT_KEYS}
         finally:
@@ -67,20 +68,22 @@ class _Runner:
 async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("naive", "kvcmas"),
                        knobs: ReuseOptions | None = None, reply_tokens: int = 64, eval_tokens: int = 64,
                        sweep: SweepGrid | None = None, sanity_eval_tokens: int = 8, model: str | None = None,
-                       device: str = "cpu", log: Log = _stderr) -> dict[str, Any]:
+                       device: str = "cpu", log: Log = _stderr, full_decode: bool = True) -> dict[str, Any]:
     """Measure each reuse mode against the exact run of the same prompts; return a JSON-able dict.
 
     Per scenario: an exact ``reuse="none"`` pass with greedy replies of ``reply_tokens``; then, per mode,
     a fresh engine replays every turn in order, teacher-forced on the first ``eval_tokens`` exact tokens
-    (``sanity_eval_tokens`` for the exact-by-construction modes none/prefix). ``sweep`` replays one of the
+    (``sanity_eval_tokens`` for the exact-by-construction modes none/prefix); with ``full_decode`` each
+    replayed turn decodes its whole exact reply, as an agent does. ``sweep`` replays one of the
     scenarios over a recompute_ratio x rank grid of kvcmas settings.
     """
     knobs = knobs or ReuseOptions()
-    runner = _Runner(model, device, knobs, log)
+    runner = _Runner(model, device, knobs, log, full_decode)
     start = time.perf_counter()
     result: dict[str, Any] = {"config": {
         "model": model, "device": device, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
         "sanity_eval_tokens": sanity_eval_tokens, "modes": list(modes), "knobs": asdict(knobs),
+        "full_decode": full_decode,
         "sweep": asdict(sweep) if sweep else None, "kl_units": "nats"}, "scenarios": {}}
     exact_engine = runner.engine("none")
     result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device),
@@ -126,12 +129,15 @@ async def _sweep(runner: _Runner, scenario: Scenario, exact: list[ExactTurn], gr
                  replays: dict[str, tuple[list[ReplayTurn], dict[str, Any]]]) -> dict[str, Any]:
     """kvcmas over the ratio x rank grid; naive as the floor.
 
-    A setting the main run already replayed is taken from it, truncated to the sweep's continuation:
-    the decode length does not change what later turns reuse (replies become home views only when
-    the next agent prefills them), so the replay would be the same.
+    A setting the main run already replayed is taken from it, scored on the sweep's shorter window.
+    With full decode both runs decode the same whole replies, so the replay would be the same; with
+    window decode the main run may have decoded more of a reply (a decoded home view needs the whole
+    reply), so it is replayed again.
     """
     t0 = time.perf_counter()
     n = grid.eval_tokens
+    if not runner.full_decode:
+        replays = {}
     naive = replays["naive"][0] if "naive" in replays else (await runner.replay(scenario, exact, "naive", n))[0]
     main = replays.get("kvcmas")
     rows = []
