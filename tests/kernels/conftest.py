@@ -11,3 +11,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# In the full suite something earlier leaves these kernels decorated outside interpreter mode (the CI run of
+# commit 92a4538 failed them with "Cannot call @triton.jit'd outside of the scope of a kernel"; alone they
+# pass). Until that is found, tests/test_kernels_isolated.py runs this folder in a fresh interpreter.
+if os.environ.get("KVCMAS_KERNEL_TESTS") != "1":
+    collect_ignore_glob = ["test_*.py"]
