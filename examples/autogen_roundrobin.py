@@ -18,6 +18,7 @@ from autogen_agentchat.conditions import MaxMessageTermination
 from autogen_agentchat.teams import RoundRobinGroupChat
 from autogen_agentchat.ui import Console
 
+from kvcmas_agents.demos.agent_table import print_agent_stats
 from kvcmas_agents.integrations.autogen import KVCMASClient, register_team
 
 ROLES = {
@@ -28,17 +29,6 @@ ROLES = {
 TASK = "Write a function that returns the n-th Fibonacci number."
 
 
-def print_agent_stats(stats: dict) -> None:
-    """One line per agent: requests, prompt/cached/reused/recomputed/generated tokens and mean TTFT."""
-    print(f"\nengine: {stats['model']} on {stats['device']}, reuse={stats['reuse']}, edges={stats['edges']}")
-    print(f"{'agent':<12}{'requests':>9}{'prompt':>8}{'cached':>8}{'reused':>8}{'recomputed':>11}{'new':>6}"
-          f"{'ttft_s':>8}")
-    for name, a in stats["agents"].items():
-        print(f"{name:<12}{int(a['requests']):>9}{int(a['prompt_tokens']):>8}{int(a['cached_tokens']):>8}"
-              f"{int(a['reused_tokens']):>8}{int(a['recomputed_tokens']):>11}{int(a['completion_tokens']):>6}"
-              f"{a.get('ttft_s_mean', 0.0):>8.2f}")
-
-
 async def main(max_tokens: int, max_messages: int, reuse: str | None) -> None:
     client = KVCMASClient(max_tokens=max_tokens, reuse=reuse)
     agents = [AssistantAgent(name, model_client=client, system_message=prompt, model_client_stream=True)
@@ -46,7 +36,7 @@ async def main(max_tokens: int, max_messages: int, reuse: str | None) -> None:
     team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(max_messages))
     register_team(team)     # planner -> coder -> reviewer -> planner
     await Console(team.run_stream(task=TASK))
-    print_agent_stats(client.engine.stats())
+    print_agent_stats(client.engine.stats(), width=12)
     await client.close()
 
 

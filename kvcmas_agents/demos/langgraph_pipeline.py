@@ -18,6 +18,7 @@ import time
 
 from ..engine import Engine, EngineConfig
 from ..engine.config import REUSE_MODES
+from .agent_table import print_agent_stats
 from .engine_pipeline import device_arg
 
 ROLES = {
@@ -68,17 +69,6 @@ def build_graph(llm, rounds: int):
     graph.add_edge("reviewer", "tester")
     graph.add_conditional_edges("tester", next_round, ["planner", END])
     return graph
-
-
-def print_agent_stats(stats: dict) -> None:
-    """One line per agent: requests, prompt/cached/reused/recomputed/generated tokens and mean TTFT."""
-    print(f"\nengine: {stats['model']} on {stats['device']}, reuse={stats['reuse']}, edges={stats['edges']}")
-    print(f"{'agent':<10}{'requests':>9}{'prompt':>8}{'cached':>8}{'reused':>8}{'recomputed':>11}{'new':>6}"
-          f"{'ttft_s':>8}")
-    for name, a in stats["agents"].items():
-        print(f"{name:<10}{int(a['requests']):>9}{int(a['prompt_tokens']):>8}{int(a['cached_tokens']):>8}"
-              f"{int(a['reused_tokens']):>8}{int(a['recomputed_tokens']):>11}{int(a['completion_tokens']):>6}"
-              f"{a.get('ttft_s_mean', 0.0):>8.2f}")
 
 
 async def run_graph(llm, rounds: int, task: str = TASK) -> None:
