@@ -28,8 +28,8 @@ from .model import LlamaModel
 from .realign import Realigner
 from .request import Request, ReusePiece
 from .segments import Correction, SegmentStore, context_key
-from .view_attention import OwnPiece, SegmentPiece, view_attention
-from .view_gather import build_view, gathered_kv
+from .view_attention import OwnPiece, SegmentPiece
+from .view_gather import GatheredView, build_view, gathered_kv, gathered_mass_attention
 
 __all__ = ["CROSS_AGENT_MODES", "Corrector"]
 
@@ -116,6 +116,7 @@ class Corrector:
             if p.home is not None:
                 self.segments.unpin(p.home)
         req.pieces = []
+        req.view_base = None
 
     def register_homes(self, req: Request) -> None:
         """After the prompt is computed: its own (non-reused) segments become home views."""
@@ -145,6 +146,18 @@ class Corrector:
         if end > b:
             out.append(self._own(req, b, end))
         return out
+
+    def gathered_view(self, req: Request, end: int) -> GatheredView:
+        """The gather path's layout of a request's context [0, end). The reused part [0, reuse_end) is
+        laid out once and kept on the request, so a decode step only appends its own tail's slots."""
+        b = req.reuse_end
+        if end <= b:
+            return build_view(self.pieces_for(req, end), self.realigner, self.model.device, self.store.k.dtype)
+        key = (b, req.own_prefix_end, tuple((p.start, p.end, len(p.chain), p.pending, p.private) for p in req.pieces))
+        if req.view_base is None or req.view_base[0] != key:
+            req.view_base = (key, build_view(self.pieces_for(req, b), self.realigner, self.model.device,
+                                             self.store.k.dtype))
+        return req.view_base[1].extend(self.store.slots(req.blocks, b, end))
 
     def _own(self, req: Request, start: int, end: int) -> OwnPiece:
         return OwnPiece(self.store.slots(req.blocks, start, end), torch.arange(start, end, device=self.model.device))
@@ -188,10 +201,15 @@ class Corrector:
         # message, since the real tail is not known yet); only the tail's own KV is written.
         qs = min(req.select_from, b) if req.select_from is not None else b
         pieces = self.pieces_for(req, n, include_new=False)
-        track = [i for i, pc in enumerate(pieces) if isinstance(pc, SegmentPiece)
-                 and any(pc.positions[0].item() == p.start for p in pending)]
+        spans, offset = [], 0                      # where each pending piece's keys sit in the view
+        starts = {p.start for p in pending}
+        for pc in pieces:
+            size = pc.slots.numel()
+            if isinstance(pc, SegmentPiece) and pc.positions[0].item() in starts:
+                spans.append((offset, offset + size))
+            offset += size
         positions = torch.arange(qs, n, device=self.model.device)
-        backend = _MassBackend(self, pieces, self.store.slots(req.blocks, b, n), positions, track, skip=b - qs)
+        backend = _MassBackend(self, pieces, self.store.slots(req.blocks, b, n), positions, spans, skip=b - qs)
         ids = torch.tensor(req.prompt_ids[qs:n], device=self.model.device)
         self.model.forward(ids, positions, backend)
         mass = torch.cat(backend.mass)
@@ -273,19 +291,23 @@ class Corrector:
 
 
 class _MassBackend:
-    """Attention for the selection pass: writes the tail's KV and sums mass on tracked pieces."""
+    """Attention for the selection pass: writes the tail's KV, attends over the gathered view and sums
+    the mass that lands on the pending pieces' keys."""
 
     def __init__(self, corr: Corrector, pieces: list, write_slots: torch.Tensor, q_positions: torch.Tensor,
-                 track: list[int], skip: int = 0):
-        self.c, self.pieces, self.write_slots, self.q_positions, self.track = corr, pieces, write_slots, q_positions, track
+                 spans: list[tuple[int, int]], skip: int = 0):
+        self.c, self.write_slots, self.q_positions, self.spans = corr, write_slots, q_positions, spans
         self.skip = skip          # leading queries that sit inside reused pieces: their KV is not written
-        self.mass = [torch.zeros(len(pieces[i].slots), device=q_positions.device) for i in track]
+        dev = q_positions.device
+        self.view = build_view(pieces, corr.realigner, dev, corr.store.k.dtype)
+        self.key_positions = torch.cat([p.positions for p in pieces]).to(dev)
+        self.mass = [torch.zeros(b - a, device=dev) for a, b in spans]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         store = self.c.store
         store.write(layer, self.write_slots, k[self.skip:], v[self.skip:])
-        out, masses = view_attention(q, self.q_positions, self.pieces, store.k[layer], store.v[layer], layer,
-                                     self.c.model.scale, self.c.realigner, return_mass=True)
-        for acc, i in zip(self.mass, self.track):
-            acc += masses[i].to(acc.dtype)
+        out, mass = gathered_mass_attention(q, self.q_positions, self.key_positions, self.view,
+                                            store.k[layer], store.v[layer], layer, self.c.model.scale)
+        for acc, (a, b) in zip(self.mass, self.spans):
+            acc += mass[a:b]
         return out

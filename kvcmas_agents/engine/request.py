@@ -61,6 +61,7 @@ class Request:
     reuse_end: int = 0                     # first position after the reused pieces
     registered: bool = False               # home views of its own segments registered
     select_from: int | None = None         # first query position of the selection pass (None: reuse_end)
+    view_base: tuple | None = None         # (layout key, GatheredView of [0, reuse_end)), kept while decoding
     finish_reason: str | None = None
     stop_reason: str | None = None
     aborted: bool = False

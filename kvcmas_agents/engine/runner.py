@@ -5,7 +5,6 @@ import torch
 
 from .attention import PagedAttention, SeqSlice
 from .correction import Corrector
-from .view_gather import build_view
 from .view_pack import pack_view, resolve_view_path, self_check
 from .kv_store import KVStore
 from .model import LlamaModel
@@ -42,12 +41,13 @@ class ModelRunner:
             positions.append(torch.arange(start, start + n))
             write.append(self.store.slots(req.blocks, start, start + n))
             if req.pieces and self.corrector is not None and start + n > req.own_prefix_end:
-                pieces = self.corrector.pieces_for(req, start + n)
-                view = None
+                pieces, view = None, None
                 if self.view_path == "gather":
-                    view = build_view(pieces, self.corrector.realigner, dev, self.store.k.dtype)
-                elif self.view_path == "triton":
-                    view = pack_view(pieces, self.corrector.realigner, dev)
+                    view = self.corrector.gathered_view(req, start + n)
+                else:
+                    pieces = self.corrector.pieces_for(req, start + n)
+                    if self.view_path == "triton":
+                        view = pack_view(pieces, self.corrector.realigner, dev)
                 slices.append(SeqSlice(offset, offset + n, start + n, None, pieces, positions[-1].to(dev), view))
             else:
                 gather = self.store.slots(req.blocks, 0, start + n)

@@ -8,61 +8,72 @@ same math in the form the Triton kernel fuses; tests check the two agree.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .attention import sdpa
-from .lowrank import LowRankDelta
 from .realign import Realigner
-from .rope import rotate
 from .view_attention import SegmentPiece
 
 
 @dataclass
 class GatheredView:
     slots: torch.Tensor                          # [N] store slots of all keys, in position order
-    rot_rows: torch.Tensor                       # [M] key rows that need realignment
-    cos: torch.Tensor                            # [M, 1, D] their pure rotation
+    cos: torch.Tensor                            # [M, 1, D]: rows [0, M) are rotated (identity where not reused)
     sin: torch.Tensor
-    corrections: list[tuple[torch.Tensor, LowRankDelta]]   # (key rows [R], delta) to add
+    # (key rows [R], U_k, B_k, U_v, B_v): the corrections that share one basis, with their rows and U
+    # factors listed (U [L, KVH, R_i, r] each) so that each layer needs one product per basis.
+    corrections: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]]
+
+    def extend(self, slots: torch.Tensor) -> "GatheredView":
+        """The same view followed by plain own keys (a request's tail as it grows)."""
+        return replace(self, slots=torch.cat([self.slots, slots.to(self.slots.device)]))
 
 
 def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: torch.dtype) -> GatheredView:
-    """Lay out pieces that cover positions [0, N) contiguously, in order."""
-    slots, rot_rows, cos, sin, corrections = [], [], [], [], []
+    """Lay out pieces in order (their keys' positions need not be contiguous)."""
+    slots, rotations, groups = [], [], {}
     offset = 0
     for p in pieces:
         n = p.slots.numel()
         slots.append(p.slots)
         if isinstance(p, SegmentPiece):
             if p.delta != 0:
-                c, s = realigner.cos_sin(p.delta, device, dtype)
-                rot_rows.append(torch.arange(offset, offset + n, device=device))
-                cos.append(c.expand(n, -1))
-                sin.append(s.expand(n, -1))
+                rotations.append((offset, n, *realigner.cos_sin(p.delta, device, dtype)))
             for d in p.deltas:
                 if d.num_rows:
-                    corrections.append((d.rows.to(device) + offset, d))
+                    rows, uks, _, uvs, _ = groups.setdefault((id(d.bk), id(d.bv)), ([], [], d.bk, [], d.bv))
+                    rows.append(d.rows.to(device) + offset)
+                    uks.append(d.uk)
+                    uvs.append(d.uv)
         offset += n
-    d_head = realigner.head_dim
-    cat = lambda xs, shape: torch.cat(xs) if xs else torch.zeros(shape, device=device, dtype=dtype)  # noqa: E731
-    return GatheredView(
-        slots=torch.cat(slots).to(device),
-        rot_rows=torch.cat(rot_rows) if rot_rows else torch.zeros(0, dtype=torch.long, device=device),
-        cos=cat(cos, (0, d_head)).unsqueeze(1), sin=cat(sin, (0, d_head)).unsqueeze(1),
-        corrections=corrections)
+    m = max((a + n for a, n, _, _ in rotations), default=0)
+    cos = torch.ones(m, 1, realigner.head_dim, device=device, dtype=dtype)
+    sin = torch.zeros(m, 1, realigner.head_dim, device=device, dtype=dtype)
+    for a, n, c, s in rotations:
+        cos[a:a + n], sin[a:a + n] = c, s
+    corrections = [(torch.cat(rows), uks, bk, uvs, bv) for rows, uks, bk, uvs, bv in groups.values()]
+    return GatheredView(torch.cat(slots).to(device), cos, sin, corrections)
+
+
+def _dense(us: list[torch.Tensor], b: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    u = us[0][layer] if len(us) == 1 else torch.cat([x[layer] for x in us], dim=1)
+    return (u @ b[layer]).transpose(0, 1).to(dtype)                   # [R, KVH, D]
 
 
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's corrected keys and values [N, KVH, D] (temporary)."""
     k, v = k_cache[view.slots], v_cache[view.slots]
-    if view.rot_rows.numel():
-        k[view.rot_rows] = rotate(k[view.rot_rows], view.cos, view.sin)
-    for rows, d in view.corrections:
-        k.index_add_(0, rows, (d.uk[layer] @ d.bk[layer]).transpose(0, 1).to(k.dtype))
-        v.index_add_(0, rows, (d.uv[layer] @ d.bv[layer]).transpose(0, 1).to(v.dtype))
+    m = view.cos.shape[0]
+    if m:
+        head = k[:m]
+        half = head.shape[-1] // 2
+        k[:m] = head * view.cos + torch.cat([-head[..., half:], head[..., :half]], dim=-1) * view.sin
+    for rows, uks, bk, uvs, bv in view.corrections:
+        k.index_add_(0, rows, _dense(uks, bk, layer, k.dtype))
+        v.index_add_(0, rows, _dense(uvs, bv, layer, v.dtype))
     return k, v
 
 
@@ -71,3 +82,21 @@ def gathered_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
     """Causal attention of the last len(q) positions over the view; q [Tq, H, D] -> [Tq, H, D]."""
     k, v = gathered_kv(view, k_cache, v_cache, layer)
     return sdpa(q, k, v, scale)
+
+
+def gathered_mass_attention(q: torch.Tensor, q_positions: torch.Tensor, key_positions: torch.Tensor,
+                            view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor, layer: int,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [Tq, H, D] over the view's keys at ``key_positions`` [N] (any gaps allowed), a key
+    visible when its position <= the query's; returns the output [Tq, H, D] and the attention mass [N]
+    (fp32) each key receives, summed over heads and queries. The selection pass's backend."""
+    k, v = gathered_kv(view, k_cache, v_cache, layer)
+    tq, heads, d = q.shape
+    kvh = k.shape[1]
+    g = heads // kvh
+    qg = q.float().view(tq, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * tq, d)
+    scores = (qg @ k.float().permute(1, 2, 0)) * scale                      # [KVH, G*Tq, N]
+    visible = (key_positions.unsqueeze(0) <= q_positions.unsqueeze(1)).repeat(g, 1)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    out = (probs @ v.float().transpose(0, 1)).view(kvh, g, tq, d).permute(2, 0, 1, 3).reshape(tq, heads, d)
+    return out.to(q.dtype), probs.sum(dim=(0, 1))

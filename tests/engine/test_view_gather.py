@@ -8,7 +8,7 @@ from kvcmas_agents.engine.lowrank import compress
 from kvcmas_agents.engine.realign import Realigner
 from kvcmas_agents.engine.rope import inv_frequencies
 from kvcmas_agents.engine.view_attention import OwnPiece, SegmentPiece, view_attention
-from kvcmas_agents.engine.view_gather import build_view, gathered_attention
+from kvcmas_agents.engine.view_gather import build_view, gathered_attention, gathered_mass_attention
 
 
 @pytest.mark.parametrize("head_dim, group, kv_heads, rank, tq", [
@@ -45,3 +45,31 @@ def test_gather_path_matches_view_attention(head_dim, group, kv_heads, rank, tq)
     assert not torch.allclose(gathered_attention(q, plain, k_cache, v_cache, 0, head_dim ** -0.5),
                               view_attention(q, torch.arange(60, 60 + tq), pieces, k_cache, v_cache, 0,
                                              head_dim ** -0.5, realigner), atol=1e-3)
+
+
+def test_mass_attention_matches_view_attention_with_gaps_and_inner_queries():
+    """The selection pass's backend: same output and per-key mass as view_attention, with a gap in the
+    key positions (new text not computed yet) and queries that sit inside a reused segment."""
+    torch.manual_seed(1)
+    head_dim, kv_heads, group, layers = 64, 3, 3, 2
+    k_cache, v_cache = torch.randn(300, kv_heads, head_dim), torch.randn(300, kv_heads, head_dim)
+    inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
+    realigner = Realigner(inv.float())
+    rows = torch.tensor([1, 4, 9, 20])
+    dk = torch.randn(layers, kv_heads, rows.numel(), head_dim) * 0.1
+    seg = SegmentPiece(torch.arange(100, 130), torch.arange(10, 40), 5, [compress(dk, dk * 0.5, rows, 4)])
+    # positions [40, 50) are a gap; the own tail is [50, 56); queries from 35 (inside the segment).
+    pieces = [OwnPiece(torch.arange(0, 10), torch.arange(10)), seg,
+              OwnPiece(torch.arange(200, 206), torch.arange(50, 56))]
+    q_pos = torch.cat([torch.arange(35, 40), torch.arange(50, 56)])
+    q = torch.randn(q_pos.numel(), kv_heads * group, head_dim)
+    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    key_pos = torch.cat([p.positions for p in pieces])
+    for layer in range(layers):
+        ref, ref_mass = view_attention(q, q_pos, pieces, k_cache, v_cache, layer, head_dim ** -0.5, realigner,
+                                       return_mass=True)
+        out, mass = gathered_mass_attention(q, q_pos, key_pos, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+        assert torch.allclose(mass, torch.cat(ref_mass), atol=1e-5)
+        # Every query's probabilities sum to one over the keys it sees: H heads x Tq queries in all.
+        assert mass.sum().item() == pytest.approx(q.shape[0] * q.shape[1], rel=1e-5)
