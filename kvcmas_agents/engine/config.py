@@ -12,6 +12,7 @@ CROSS_AGENT_MODES: tuple[str, ...] = ("naive", "kvcmas", "cacheblend", "kvcomm")
 PRIVATE_COPY_MODES: tuple[str, ...] = ("cacheblend", "kvcomm")
 REFERENCES: tuple[str, ...] = ("home", "chain")
 BASES: tuple[str, ...] = ("request", "segment")
+CORRECTION_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "kv")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 VIEW_PATHS: tuple[str, ...] = ("auto", "gather", "query", "triton")
 
@@ -47,6 +48,10 @@ class EngineConfig:
     basis: "request" compresses all segments one request corrects against one shared rank-r basis per
         layer and KV head (the r x head_dim basis is stored once, not once per segment); "segment"
         gives every segment its own basis.
+    correction_dtype: storage dtype of the low-rank factors: "bfloat16" (default: their rounding,
+        ~0.4% of a correction, is far below the rank truncation error, and it halves their bytes),
+        "float16", "float32", or "kv" (the KV cache's dtype). recompute_ratio=1.0 keeps the exact
+        deviation in the KV dtype whatever this says.
     kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.
     block_size: tokens per KV block.
     max_batch_tokens: tokens one forward step may process (long prompts are chunked).
@@ -65,14 +70,15 @@ class EngineConfig:
     max_context: int | None = None
     cache_dir: str | None = None
     recompute_ratio: float = 0.5
-    rank: int = 16
+    rank: int = 32
     reference: str = "home"
     blend_ratio: float = 0.15
     kvcomm_anchors: int = 20
     kvcomm_threshold: float = 0.25
     prefetch: bool = True
-    prefetch_ratio: float = 0.75
+    prefetch_ratio: float = 0.9
     basis: str = "request"
+    correction_dtype: str = "bfloat16"
     # attention over corrected views: "auto" (Triton kernel on CUDA, else "gather"), "gather" (torch,
     # gathered keys + SDPA), "query" (torch view_attention), "triton" (the kernel; TRITON_INTERPRET on CPU)
     view_path: str = "auto"
@@ -92,6 +98,8 @@ class EngineConfig:
             raise ValueError("block_size, max_batch_tokens and max_num_seqs must be positive")
         if not 0.0 <= self.prefetch_ratio <= 1.0:
             raise ValueError(f"prefetch_ratio must be in [0, 1], got {self.prefetch_ratio}")
+        if self.correction_dtype not in CORRECTION_DTYPES:
+            raise ValueError(f"correction_dtype must be one of {CORRECTION_DTYPES}, got {self.correction_dtype!r}")
         if self.basis not in BASES:
             raise ValueError(f"basis must be one of {BASES}, got {self.basis!r}")
         if self.kv_budget_bytes <= 0:

@@ -45,6 +45,7 @@ class Corrector:
         self.predecessors = predecessors
         self.anchors = anchors if anchors is not None else AnchorPool()
         self.joint_basis = True        # one basis for a request's corrections (EngineConfig.basis)
+        self.state_dtype: torch.dtype | None = None    # factors' storage dtype (None: the KV dtype)
         self.baselines = {"cacheblend": CacheBlend(self), "kvcomm": KVComm(self, self.anchors)}
 
     # --- planning (at admission) ---------------------------------------------------------------
@@ -274,10 +275,11 @@ class Corrector:
         dk = [torch.stack(dks[id(p)]) for p in pending]                 # [L, KVH, R_i, D] each
         dv = [torch.stack(dvs[id(p)]) for p in pending]
         rows_of = [sel[id(p)] for p in pending]
+        dtype = None if full else self.state_dtype
         if self.joint_basis and len(pending) > 1 and not full:
-            states = compress_joint(dk, dv, rows_of, rank)
+            states = compress_joint(dk, dv, rows_of, rank, dtype)
         else:
-            states = [compress(k, v, r, rank) for k, v, r in zip(dk, dv, rows_of)]
+            states = [compress(k, v, r, rank, dtype) for k, v, r in zip(dk, dv, rows_of)]
         for p, state, r in zip(pending, states, rows_of):
             self._store(req, p, state, r.numel())
 

@@ -66,6 +66,8 @@ class Engine:
                                    AnchorPool(self.config.kvcomm_anchors, self.config.kvcomm_threshold))
         self.scheduler.corrector = self.corrector
         self.corrector.joint_basis = self.config.basis == "request"
+        if self.config.correction_dtype != "kv":
+            self.corrector.state_dtype = getattr(torch, self.config.correction_dtype)
         self.prefetcher = (Prefetcher(self.scheduler, self.corrector, self.successors, self.config.prefetch_ratio)
                            if self.config.prefetch else None)
         self.runner = ModelRunner(self.model, self.store, self.corrector, self.config.view_path)

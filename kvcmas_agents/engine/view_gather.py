@@ -59,7 +59,7 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
 
 def _dense(us: list[torch.Tensor], b: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
     u = us[0][layer] if len(us) == 1 else torch.cat([x[layer] for x in us], dim=1)
-    return (u @ b[layer]).transpose(0, 1).to(dtype)                   # [R, KVH, D]
+    return (u.to(dtype) @ b[layer].to(dtype)).transpose(0, 1)          # [R, KVH, D]
 
 
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -62,7 +62,7 @@ def _runs(pieces: list) -> list[_Run]:
 
 def _pad_rank(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     pad = [0, 0] * (t.dim() - 1 - dim) + [0, size - t.shape[dim]]
-    return F.pad(t, pad)
+    return F.pad(t.float(), pad)          # factors may be stored in bf16; the kernel reads fp32
 
 
 def pack_view(pieces: list, realigner: Realigner, device: torch.device, block_n: int = 64) -> "ViewDescriptor":

@@ -184,3 +184,28 @@ async def test_a_reply_is_reused_from_its_generating_agents_decode(engine):
         assert kl(exact.logits[0], got.logits[0]) < kl(exact.logits[0], naive.logits[0])
     finally:
         await ours.aclose()
+
+
+async def test_correction_factors_are_stored_in_bfloat16_at_close_fidelity(engine):
+    """Default correction_dtype keeps the factors in bf16 (half the bytes of fp32); the first-token
+    distribution moves far less than the correction itself moves it."""
+    history = await conversation(engine, turns=2)
+    opts = ReuseOptions(reuse="kvcmas")
+    states, outs = {}, {}
+    for dtype in ("bfloat16", "float32"):
+        eng = Engine(EngineConfig(reuse="kvcmas", correction_dtype=dtype, prefetch=False))
+        try:
+            await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
+            outs[dtype] = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
+            states[dtype] = [c.own for c in eng.scheduler.segments._corrections.values()]
+            assert outs[dtype].usage.recomputed_tokens > 0
+        finally:
+            eng.close()
+    assert {s.uk.dtype for s in states["bfloat16"]} == {torch.bfloat16}
+    assert {s.uk.dtype for s in states["float32"]} == {torch.float32}
+    b16, b32 = (sum(s.nbytes - s.rows.nbytes for s in states[d]) for d in ("bfloat16", "float32"))
+    assert b16 * 2 == b32
+    naive = await engine.generate(prompt("coder", history), agent="c-naive", sampling=FIRST,
+                                  reuse_options=ReuseOptions(reuse="naive"))
+    moved = kl(outs["float32"].logits[0], naive.logits[0])
+    assert kl(outs["float32"].logits[0], outs["bfloat16"].logits[0]) < moved / 20
