@@ -44,8 +44,10 @@ def test_turn_metrics_counts_the_matching_prefix():
     assert m.first_token_kl == 0.0 and m.step_kl[2] > 1.0
     assert m.tf_kl_mean == pytest.approx(sum(m.step_kl) / 4)
     assert m.truncate(2).agreement == 1.0 and m.truncate(2).tf_kl_mean == 0.0
+    assert m.break_gap == pytest.approx(float(exact[2].max() - exact[2].topk(2).values[1]))
+    assert m.truncate(2).break_gap is None and m.truncate(3).break_gap == m.break_gap
     same = turn_metrics(exact, exact, exact_tokens)
-    assert same.agreement == 1.0 and same.tf_kl_mean == 0.0
+    assert same.agreement == 1.0 and same.tf_kl_mean == 0.0 and same.break_gap is None
 
 
 def test_turn_metrics_needs_logits_for_every_token():

@@ -33,6 +33,8 @@ class TurnMetrics:
     matched: leading steps where the mode's argmax equals the exact token, i.e. how long free-running
         greedy decoding under the mode would agree with the exact reply.
     agreement: matched / length.
+    break_gap: at the first mismatched step, the exact run's top-1 minus top-2 logit (how near a tie
+        the exact choice was); None when every step matched.
     """
 
     first_token_kl: float
@@ -42,6 +44,7 @@ class TurnMetrics:
     length: int
     tf_kl_max: float = 0.0
     step_kl: list[float] = field(default_factory=list)
+    break_gap: float | None = None
 
     def truncate(self, n: int) -> "TurnMetrics":
         """The same metrics over the first n steps only."""
@@ -49,7 +52,8 @@ class TurnMetrics:
         length = min(self.length, n)
         matched = min(self.matched, length)
         return TurnMetrics(steps[0] if steps else 0.0, sum(steps) / len(steps) if steps else 0.0,
-                           matched / length if length else 1.0, matched, length, max(steps, default=0.0), steps)
+                           matched / length if length else 1.0, matched, length, max(steps, default=0.0), steps,
+                           self.break_gap if matched < length else None)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,4 +72,8 @@ def turn_metrics(exact_logits: Sequence[torch.Tensor] | torch.Tensor,
     steps = kl_steps(ref[:n], other[:n]).tolist()
     hits = (other[:n].argmax(-1) == torch.as_tensor(list(exact_tokens))).tolist()
     matched = hits.index(False) if False in hits else n
-    return TurnMetrics(steps[0], sum(steps) / n, matched / n, matched, n, max(steps), steps)
+    gap = None
+    if matched < n:
+        top2 = ref[matched].float().topk(2).values
+        gap = float(top2[0] - top2[1])
+    return TurnMetrics(steps[0], sum(steps) / n, matched / n, matched, n, max(steps), steps, gap)

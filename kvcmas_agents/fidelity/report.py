@@ -41,7 +41,8 @@ def summary_table(result: dict[str, Any]) -> str:
 def turn_table(result: dict[str, Any]) -> str:
     """One row per scenario turn and mode."""
     lines = ["| scenario | turn | round | agent | prompt | shared | mode | cached | reused | recomputed | "
-             "first-token KL | TF KL | agreement |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "first-token KL | TF KL | agreement (exact top-2 logit gap where it broke) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in result["scenarios"].items():
         for exact in s["turns"]:
             for mode, m in s["modes"].items():
@@ -50,8 +51,12 @@ def turn_table(result: dict[str, Any]) -> str:
                     f"| {name} | {exact['index']} | {exact['round']} | {exact['agent']} | {t['prompt_tokens']} | "
                     f"{exact['shared_tokens']} | {mode} | {t['cached_tokens']} | {t['reused_tokens']} | "
                     f"{t['recomputed_tokens']} | {_kl(t['first_token_kl'])} | {_kl(t['tf_kl_mean'])} | "
-                    f"{t['matched']}/{t['length']} |")
+                    f"{t['matched']}/{t['length']}{_gap(t.get('break_gap'))} |")
     return "\n".join(lines)
+
+
+def _gap(gap: float | None) -> str:
+    return "" if gap is None else f" ({gap:.3f})"
 
 
 def sweep_table(sweep: dict[str, Any]) -> str:
