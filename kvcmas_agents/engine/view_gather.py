@@ -14,6 +14,7 @@ import torch
 
 from .attention import sdpa
 from .realign import Realigner
+from .rope import rotate
 from .view_attention import SegmentPiece
 
 
@@ -68,9 +69,7 @@ def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor
     k, v = k_cache[view.slots], v_cache[view.slots]
     m = view.cos.shape[0]
     if m:
-        head = k[:m]
-        half = head.shape[-1] // 2
-        k[:m] = head * view.cos + torch.cat([-head[..., half:], head[..., :half]], dim=-1) * view.sin
+        k[:m] = rotate(k[:m], view.cos, view.sin)
     for rows, uks, bk, uvs, bv in view.corrections:
         k.index_add_(0, rows, _dense(uks, bk, layer, k.dtype))
         v.index_add_(0, rows, _dense(uvs, bv, layer, v.dtype))
