@@ -126,16 +126,12 @@ class Prefetcher:
     def _run(self, req: Request) -> None:
         sched, t0 = self.scheduler, time.perf_counter()
         try:
-            sched._find_reusable(req)                       # the corrector's plan: pins the home views
+            sched.plan(req)                                 # the corrector's plan: pins the home views
             pending = [p for p in req.pieces if p.pending and p.home is not None]
-            need = sched._own_blocks(req, len(req.prompt_ids))
             # An own prefix that is not a home view would need a prefill first: not worth it ahead of time.
-            if req.own_prefix_end > 0 or not pending or need > self.store_room():
+            if req.own_prefix_end > 0 or not pending or not sched.reserve(req, len(req.prompt_ids)):
                 self.stats.skipped += 1
                 return
-            req.reserved_blocks = need
-            sched._promised += need
-            sched.ensure_blocks(req, len(req.prompt_ids))
             self.corrector.correct(req)
             self.stats.corrections += 1
             self.stats.recomputed_tokens += req.recomputed_tokens
@@ -143,11 +139,8 @@ class Prefetcher:
         except Exception:          # a prefetch is an optimisation: the real request corrects inline
             self.stats.failed += 1
         finally:
-            sched._release(req)
+            sched.release(req)
             self.stats.seconds += time.perf_counter() - t0
-
-    def store_room(self) -> int:
-        return self.scheduler.store.num_available - self.scheduler._promised
 
     def clear(self) -> None:
         self._queue.clear()

@@ -68,6 +68,26 @@ class Scheduler:
             self._promised += need
             self.running.append(req)
 
+    # --- side requests (ahead-of-time corrections, engine/prefetch.py) ----------------------------
+    def plan(self, req: Request) -> None:
+        """Find the KV a request need not compute (pins the home views it reuses) without admitting it."""
+        self._find_reusable(req)
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Promise and allocate the blocks a planned request owns for num_tokens; False (nothing taken)
+        when they do not fit next to what running requests were promised."""
+        need = self._own_blocks(req, num_tokens) - len(req.blocks)
+        if need > self.store.num_available - self._promised:
+            return False
+        req.reserved_blocks += need
+        self._promised += need
+        self.ensure_blocks(req, num_tokens)
+        return True
+
+    def release(self, req: Request) -> None:
+        """Free a side request's blocks, promises and pins."""
+        self._release(req)
+
     def _own_blocks(self, req: Request, num_tokens: int) -> int:
         """Blocks a request must own to hold num_tokens (reused spans need none)."""
         bs = self.store.block_size

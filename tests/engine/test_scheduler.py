@@ -318,3 +318,23 @@ def test_cached_blocks_are_evicted_for_new_work():
     s.schedule()
     assert again.cached_tokens == 0                      # big needed every block: a's were all evicted
     assert s.store.stats().peak_blocks == 6
+
+
+def test_side_request_reserve_and_release_leave_no_trace():
+    """The ahead-of-time path (engine/prefetch.py): plan, reserve what fits next to running requests'
+    promises, release everything afterwards."""
+    s = make_sched(num_blocks=8)
+    running = make_req(list(range(BS * 3)), max_new=BS)       # promises 4 blocks
+    s.add(running)
+    s.admit()
+    side = make_req(list(range(100, 100 + BS * 3)))
+    s.plan(side)
+    assert not s.reserve(side, BS * 5)                         # 5 blocks: only 4 are not promised
+    assert side.blocks == [] and s._promised == 4
+    assert s.reserve(side, BS * 3)
+    assert len(side.blocks) == 3 and s._promised == 4          # allocated, so no longer merely promised
+    s.release(side)
+    assert side.blocks == [] and side.reserved_blocks == 0
+    check_invariants(s)
+    s.finish(running)
+    assert s.store.stats().blocks_active == 0 and s._promised == 0
