@@ -57,9 +57,9 @@ class Scheduler:
             req = self.waiting[0]
             self._find_reusable(req)
             need = self._own_blocks(req, req.max_total_tokens) - len(req.blocks)
-            while need > self.store.num_available - self._promised and self.segments.evict_one():
+            while need > self._room and self.segments.evict_one():
                 pass
-            if need > self.store.num_available - self._promised:
+            if need > self._room:
                 self._release(req)
                 req.num_computed = req.cached_tokens = req.reused_tokens = 0
                 return
@@ -77,7 +77,7 @@ class Scheduler:
         """Promise and allocate the blocks a planned request owns for num_tokens; False (nothing taken)
         when they do not fit next to what running requests were promised."""
         need = self._own_blocks(req, num_tokens) - len(req.blocks)
-        if need > self.store.num_available - self._promised:
+        if need > self._room:
             return False
         req.reserved_blocks += need
         self._promised += need
@@ -87,6 +87,11 @@ class Scheduler:
     def release(self, req: Request) -> None:
         """Free a side request's blocks, promises and pins."""
         self._release(req)
+
+    @property
+    def _room(self) -> int:
+        """Blocks free or evictable that no running request was promised."""
+        return self.store.num_available - self._promised
 
     def _own_blocks(self, req: Request, num_tokens: int) -> int:
         """Blocks a request must own to hold num_tokens (reused spans need none)."""
