@@ -66,7 +66,7 @@ def _dense(us: list[torch.Tensor], b: torch.Tensor, layer: int, dtype: torch.dty
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's corrected keys and values [N, KVH, D] (temporary)."""
-    k, v = k_cache[view.slots], v_cache[view.slots]
+    k, v = k_cache.index_select(0, view.slots), v_cache.index_select(0, view.slots)   # 2-3x faster than k[idx] on CPU
     m = view.cos.shape[0]
     if m:
         k[:m] = rotate(k[:m], view.cos, view.sin)

@@ -1,0 +1,40 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcmas_agents.engine.attention import SMALL_QUERY, sdpa
+
+
+def _reference(q, k, v, scale):
+    """Causal attention of the last len(q) positions, written out with expanded KV heads."""
+    n, heads, _ = q.shape
+    ctx, kvh, _ = k.shape
+    k, v = k.repeat_interleave(heads // kvh, dim=1), v.repeat_interleave(heads // kvh, dim=1)
+    mask = torch.arange(ctx) <= torch.arange(ctx - n, ctx).unsqueeze(1)
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          attn_mask=mask, scale=scale).transpose(0, 1)
+
+
+@pytest.mark.parametrize("n", [1, 4, SMALL_QUERY, SMALL_QUERY + 1, 100])
+@pytest.mark.parametrize("kvh", [1, 3])
+def test_sdpa_matches_expanded_causal_attention_on_both_sides_of_the_small_query_path(n, kvh):
+    torch.manual_seed(n + kvh)
+    ctx, heads, d = 100, 9, 16
+    q = torch.randn(n, heads, d)
+    k, v = torch.randn(ctx, kvh, d), torch.randn(ctx, kvh, d)
+    out = sdpa(q, k, v, d ** -0.5)
+    assert out.shape == (n, heads, d)
+    torch.testing.assert_close(out, _reference(q, k, v, d ** -0.5), atol=1e-5, rtol=1e-5)
+
+
+def test_later_queries_see_more_keys():
+    """A query must not see keys after its own position: changing the last key moves only the last row."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 2, 8), torch.randn(10, 1, 8), torch.randn(10, 1, 8)
+    a = sdpa(q, k, v, 0.3)
+    k2, v2 = k.clone(), v.clone()
+    k2[-1] += 5.0
+    v2[-1] += 5.0
+    b = sdpa(q, k2, v2, 0.3)
+    torch.testing.assert_close(a[:3], b[:3])
+    assert not torch.allclose(a[3], b[3])
