@@ -102,7 +102,10 @@ class Corrector:
             return [(start, end, None)]
         offset, home = found
         a, b = start + offset, start + offset + len(home.key)
-        return [part for part in ((start, a, None), (a, b, home), (b, end, None)) if part[1] > part[0]]
+        # The header and trailer around the reply reuse the home of the same frame tokens (registered by
+        # the first request that computed them), so no agent recomputes every message's frame each turn.
+        return [(s, e, home if s == a else self.segments.lookup(tuple(ids[s:e])))
+                for s, e in ((start, a), (a, b), (b, end)) if e > s]
 
     def register_decoded(self, req: Request) -> None:
         """A finished request's generated tokens with KV become a home view (DESIGN.md step 5)."""
@@ -123,11 +126,12 @@ class Corrector:
         """After the prompt is computed: its own (non-reused) segments become home views."""
         req.registered = True
         ids = req.prompt_ids
-        for seg in req.prompt.segments:
-            if seg.kind == "suffix" or seg.length == 0 or not req.owns(seg.start, seg.end):
-                continue                           # served by another view
-            self.segments.register(tuple(ids[seg.start:seg.end]), req.agent, seg.start,
-                                   context_key(req.agent, ids, seg.start), req.blocks)
+        spans = [(seg.start, seg.end) for seg in req.prompt.segments
+                 if seg.kind != "suffix" and seg.length > 0 and req.owns(seg.start, seg.end)]
+        spans += [(p.start, p.end) for p in req.pieces if p.home is None]   # frames around reused replies
+        for start, end in spans:
+            self.segments.register(tuple(ids[start:end]), req.agent, start, context_key(req.agent, ids, start),
+                                   req.blocks)
 
     # --- attention layout ------------------------------------------------------------------------
     def pieces_for(self, req: Request, end: int, include_new: bool = True) -> list:

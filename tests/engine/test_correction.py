@@ -186,6 +186,30 @@ async def test_a_reply_is_reused_from_its_generating_agents_decode(engine):
         await ours.aclose()
 
 
+async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine):
+    """The role header and trailer around a decoded reply are new text for the first agent that renders
+    the message; they become home views, so later agents reuse and correct them instead of recomputing
+    every message's frame on every turn."""
+    ours = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
+    try:
+        history = [{"role": "user", "content": TASK}]
+        reply = await ours.generate(prompt("planner", history), agent="planner",
+                                    sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+        seen = history + [{"role": "user", "content": f"[planner]\n{reply.text}"}]
+        homes = ours.stats()["home_views"]
+        first = await ours.generate(prompt("coder", seen), agent="coder", sampling=FIRST)
+        assert ours.stats()["home_views"] >= homes + 2          # the header and the trailer
+        later = await ours.generate(prompt("reviewer", seen), agent="reviewer", sampling=FIRST)
+        assert later.usage.reused_tokens > first.usage.reused_tokens
+        exact = await engine.generate(prompt("reviewer", seen), agent="reviewer", sampling=FIRST,
+                                      reuse_options=ReuseOptions(reuse="none"))
+        naive = await ours.generate(prompt("reviewer", seen), agent="reviewer-naive", sampling=FIRST,
+                                    reuse_options=ReuseOptions(reuse="naive"))
+        assert kl(exact.logits[0], later.logits[0]) < kl(exact.logits[0], naive.logits[0])
+    finally:
+        await ours.aclose()
+
+
 async def test_correction_factors_are_stored_in_bfloat16_at_close_fidelity(engine):
     """Default correction_dtype keeps the factors in bf16 (half the bytes of fp32); the first-token
     distribution moves far less than the correction itself moves it."""
