@@ -23,9 +23,10 @@ class GatheredView:
     slots: torch.Tensor                          # [N] store slots of all keys, in position order
     cos: torch.Tensor                            # [M, 1, D]: rows [0, M) are rotated (identity where not reused)
     sin: torch.Tensor
-    # (key rows [R], U_k, B_k, U_v, B_v): the corrections that share one basis, with their rows and U
-    # factors listed (U [L, KVH, R_i, r] each) so that each layer needs one product per basis.
-    corrections: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]]
+    # (U_k, B_k, U_v, B_v): the corrections that share one basis, their U factors listed (U [L, KVH, R_i, r]
+    # each) so that each layer needs one product per basis; ``rows`` [R] are their key rows, group by group.
+    corrections: list[tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]]
+    rows: torch.Tensor
 
     def extend(self, slots: torch.Tensor) -> "GatheredView":
         """The same view followed by plain own keys (a request's tail as it grows)."""
@@ -54,8 +55,9 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
     sin = torch.zeros(m, 1, realigner.head_dim, device=device, dtype=dtype)
     for a, n, c, s in rotations:
         cos[a:a + n], sin[a:a + n] = c, s
-    corrections = [(torch.cat(rows), uks, bk, uvs, bv) for rows, uks, bk, uvs, bv in groups.values()]
-    return GatheredView(torch.cat(slots).to(device), cos, sin, corrections)
+    corrections = [(uks, bk, uvs, bv) for _, uks, bk, uvs, bv in groups.values()]
+    rows = torch.cat([r for g in groups.values() for r in g[0]]) if groups else torch.zeros(0, dtype=torch.long)
+    return GatheredView(torch.cat(slots).to(device), cos, sin, corrections, rows.to(device))
 
 
 def _dense(us: list[torch.Tensor], b: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
@@ -70,9 +72,9 @@ def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor
     m = view.cos.shape[0]
     if m:
         k[:m] = rotate(k[:m], view.cos, view.sin)
-    for rows, uks, bk, uvs, bv in view.corrections:
-        k.index_add_(0, rows, _dense(uks, bk, layer, k.dtype))
-        v.index_add_(0, rows, _dense(uvs, bv, layer, v.dtype))
+    if view.corrections:       # one scatter for all bases: per-call overhead dominates on CPU
+        k.index_add_(0, view.rows, torch.cat([_dense(uks, bk, layer, k.dtype) for uks, bk, _, _ in view.corrections]))
+        v.index_add_(0, view.rows, torch.cat([_dense(uvs, bv, layer, v.dtype) for _, _, uvs, bv in view.corrections]))
     return k, v
 
 
