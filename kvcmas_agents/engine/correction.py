@@ -54,7 +54,7 @@ class Corrector:
         segs = [s for s in req.prompt.segments if s.kind != "suffix" and s.length > 0]
         pieces: list[ReusePiece] = []
         own_prefix_end = 0
-        for start, end, home in (part for seg in segs for part in self._parts(ids, seg.start, seg.end)):
+        for start, end, home, frame in (part for seg in segs for part in self._parts(ids, seg.start, seg.end)):
             tokens = tuple(ids[start:end])
             ctx = context_key(agent, ids, start)
             if home is None:
@@ -63,7 +63,7 @@ class Corrector:
                 else:                              # new text between reused ones: computed with the correction
                     pieces.append(ReusePiece(None, start, end, ctx, pending=True))
                 continue
-            piece = ReusePiece(home, start, end, ctx)
+            piece = ReusePiece(home, start, end, ctx, frame=frame)
             if piece.delta == 0 and (start == 0 or (home.agent == agent and home.context == ctx)):
                 piece.exact = True                 # same tokens under the same view: KV is identical
             elif req.options.reuse == "kvcmas":
@@ -88,23 +88,23 @@ class Corrector:
         req.cached_tokens = sum(p.end - p.start for p in pieces if p.exact)
         req.reused_tokens = sum(p.end - p.start for p in pieces if p.home is not None and not p.exact)
 
-    def _parts(self, ids: list[int], start: int, end: int) -> list[tuple[int, int, object]]:
-        """A message segment as (start, end, home) parts: the whole segment's home view; else a decoded
-        reply found inside it, between new header and trailer text; else new text."""
+    def _parts(self, ids: list[int], start: int, end: int) -> list[tuple[int, int, object, bool]]:
+        """A message segment as (start, end, home, frame) parts: the whole segment's home view; else a
+        decoded reply found inside it, between header and trailer (frame) parts; else new text."""
         tokens = tuple(ids[start:end])
         home = self.segments.lookup(tokens)
         if home is not None:
-            return [(start, end, home)]
+            return [(start, end, home, False)]
         found = self.segments.find_decoded(tokens)
         # Only a reply decoded (almost) whole: a partial one would leave most of the message as new
         # text that every later agent computes again under its partly corrected view.
         if found is None or len(tokens) - len(found[1].key) > MAX_FRAME:
-            return [(start, end, None)]
+            return [(start, end, None, False)]
         offset, home = found
         a, b = start + offset, start + offset + len(home.key)
         # The header and trailer around the reply reuse the home of the same frame tokens (registered by
         # the first request that computed them), so no agent recomputes every message's frame each turn.
-        return [(s, e, home if s == a else self.segments.lookup(tuple(ids[s:e])))
+        return [(s, e, home, False) if s == a else (s, e, self.segments.lookup(tuple(ids[s:e])), True)
                 for s, e in ((start, a), (a, b), (b, end)) if e > s]
 
     def register_decoded(self, req: Request) -> None:
@@ -194,9 +194,12 @@ class Corrector:
         return []
 
     def _select(self, req: Request, pending: list[ReusePiece]) -> list[torch.Tensor]:
-        """Rows (local to each pending piece) to recompute, ranked by the tail's attention mass."""
+        """Rows (local to each pending piece) to recompute, ranked by the tail's attention mass. Frames
+        are recomputed whole on top of the ratio: they were new text, computed in full, before they had
+        homes, and are few tokens."""
         total = sum(p.end - p.start for p in pending)
-        k = round(req.options.recompute_ratio * total)
+        forced = sum(p.end - p.start for p in pending if p.frame)
+        k = round(req.options.recompute_ratio * (total - forced)) + forced
         if k >= total:
             return [torch.arange(p.end - p.start) for p in pending]
         if k == 0:
@@ -217,7 +220,7 @@ class Corrector:
         backend = _MassBackend(self, pieces, self.store.slots(req.blocks, b, n), positions, spans, skip=b - qs)
         ids = torch.tensor(req.prompt_ids[qs:n], device=self.model.device)
         self.model.forward(ids, positions, backend)
-        mass = torch.cat(backend.mass)
+        mass = torch.cat([m.fill_(float("inf")) if p.frame else m for p, m in zip(pending, backend.mass)])
         top = torch.topk(mass, k).indices.sort().values
         out, offset = [], 0
         for p in pending:

@@ -26,6 +26,7 @@ class ReusePiece:
     exact: bool = False                                       # the request's own exact view: no correction
     pending: bool = False                                     # a correction must be computed first
     private: bool = False                                     # served from a copy in the request's own blocks
+    frame: bool = False           # role header/trailer around a reused reply: recomputed whole when corrected
 
     @property
     def delta(self) -> int:

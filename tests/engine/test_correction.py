@@ -201,6 +201,11 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
         assert ours.stats()["home_views"] >= homes + 2          # the header and the trailer
         later = await ours.generate(prompt("reviewer", seen), agent="reviewer", sampling=FIRST)
         assert later.usage.reused_tokens > first.usage.reused_tokens
+        # Frames are recomputed whole when an agent first corrects them (they were new text before),
+        # whatever the ratio; at ratio 0 nothing else is.
+        bare = await ours.generate(prompt("reviewer", seen), agent="reviewer-r0", sampling=FIRST,
+                                   reuse_options=ReuseOptions(recompute_ratio=0.0))
+        assert bare.usage.recomputed_tokens == later.usage.reused_tokens - first.usage.reused_tokens > 0
         exact = await engine.generate(prompt("reviewer", seen), agent="reviewer", sampling=FIRST,
                                       reuse_options=ReuseOptions(reuse="none"))
         naive = await ours.generate(prompt("reviewer", seen), agent="reviewer-naive", sampling=FIRST,
