@@ -162,6 +162,15 @@ async def test_query_and_gather_view_paths_agree():
         assert torch.allclose(a, b, atol=1e-3)
 
 
+async def assert_closer_than_naive(exact_engine: Engine, ours: Engine, messages: list[dict], got) -> None:
+    """got's first token is closer to exact prefill than naive reuse of the same prompt on ``ours`` is."""
+    exact = await exact_engine.generate(messages, agent="exact", sampling=FIRST,
+                                        reuse_options=ReuseOptions(reuse="none"))
+    naive = await ours.generate(messages, agent="naive-control", sampling=FIRST,
+                                reuse_options=ReuseOptions(reuse="naive"))
+    assert kl(exact.logits[0], got.logits[0]) < kl(exact.logits[0], naive.logits[0])
+
+
 async def test_a_reply_is_reused_from_its_generating_agents_decode(engine):
     """DESIGN.md step 5: a reply's home view is its generating agent's decode, found inside the next
     agent's message (whose role header differs), then corrected like any reused segment."""
@@ -177,11 +186,7 @@ async def test_a_reply_is_reused_from_its_generating_agents_decode(engine):
         ctl = await ours.generate(prompt("coder", other), agent="coder-control", sampling=FIRST)
         # The decoded tokens with KV (all but the last sampled one) are reused, not prefilled.
         assert got.usage.reused_tokens >= ctl.usage.reused_tokens + reply.usage.completion_tokens - 1
-        exact = await engine.generate(prompt("coder", seen), agent="coder", sampling=FIRST,
-                                      reuse_options=ReuseOptions(reuse="none"))
-        naive = await ours.generate(prompt("coder", seen), agent="coder-naive", sampling=FIRST,
-                                    reuse_options=ReuseOptions(reuse="naive"))
-        assert kl(exact.logits[0], got.logits[0]) < kl(exact.logits[0], naive.logits[0])
+        await assert_closer_than_naive(engine, ours, prompt("coder", seen), got)
     finally:
         await ours.aclose()
 
@@ -206,11 +211,7 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
         bare = await ours.generate(prompt("reviewer", seen), agent="reviewer-r0", sampling=FIRST,
                                    reuse_options=ReuseOptions(recompute_ratio=0.0))
         assert bare.usage.recomputed_tokens == later.usage.reused_tokens - first.usage.reused_tokens > 0
-        exact = await engine.generate(prompt("reviewer", seen), agent="reviewer", sampling=FIRST,
-                                      reuse_options=ReuseOptions(reuse="none"))
-        naive = await ours.generate(prompt("reviewer", seen), agent="reviewer-naive", sampling=FIRST,
-                                    reuse_options=ReuseOptions(reuse="naive"))
-        assert kl(exact.logits[0], later.logits[0]) < kl(exact.logits[0], naive.logits[0])
+        await assert_closer_than_naive(engine, ours, prompt("reviewer", seen), later)
     finally:
         await ours.aclose()
 
