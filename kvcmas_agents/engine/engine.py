@@ -294,8 +294,9 @@ class Engine:
                     break
                 if self.prefetcher is not None:   # an agent's own queued prefetch runs before its request
                     self.prefetcher.run_for({r.agent for r in self.scheduler.waiting})
+                self._correct_one()
                 items = self.scheduler.schedule()
-                self._correct_pending()
+                self._track_peak()                # blocks of this step and fresh corrections, before any retire
                 if items:
                     self._step(items)
                 self._prefetch_when_quiet()
@@ -325,8 +326,10 @@ class Engine:
             except queue.Empty:
                 return True
 
-    def _correct_pending(self) -> None:
-        """Run KVCMAS corrections for requests whose own prefix is computed (one request at a time)."""
+    def _correct_one(self) -> None:
+        """Run the KVCMAS correction of the oldest request whose own prefix is computed. One per engine
+        step, before it is planned: the corrected request's tail joins that step, and concurrent
+        requests keep prefilling and decoding between corrections instead of waiting for all of them."""
         for req in list(self.scheduler.running):
             if req.finish_reason is None and req.needs_correction:
                 try:
@@ -334,6 +337,7 @@ class Engine:
                     self.corrector.correct(req)
                 except Exception as exc:
                     self._fail(req, EngineError(f"correction failed for {req.request_id}: {exc!r}"))
+                return
 
     def _prefetch_when_quiet(self) -> None:
         """Ahead-of-time corrections run only while nothing waits and nobody is prefilling (e.g. during

@@ -234,3 +234,37 @@ async def _wait_idle(engine, timeout: float = 10.0) -> None:
     end = loop.time() + timeout
     while engine.scheduler.has_work() and loop.time() < end:
         await asyncio.sleep(0.02)
+
+
+async def test_a_corrected_request_starts_before_the_next_correction_runs():
+    """Corrections run one per engine step: of two concurrent requests that both need one, the first
+    corrected samples its first token before the second's correction starts, instead of waiting for it."""
+    from kvcmas_agents import Engine, EngineConfig
+    task = {"role": "user", "content": "Write a Python function that merges overlapping intervals, with tests."}
+    eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
+    events: list[tuple[str, str]] = []
+    correct, run = eng.corrector.correct, eng.runner.run
+
+    def logged_correct(req):
+        events.append(("correct", req.agent))
+        return correct(req)
+
+    def logged_run(items):
+        events.extend(("first token", it.request.agent) for it in items if it.samples and not it.request.output_ids)
+        return run(items)
+
+    eng.corrector.correct, eng.runner.run = logged_correct, logged_run
+    try:
+        await eng.generate([{"role": "system", "content": "You are the planner."}, task], agent="planner",
+                           sampling=SamplingParams(max_tokens=2))
+        events.clear()
+        outs = await asyncio.gather(*(eng.generate([{"role": "system", "content": f"You are the {a}."}, task],
+                                                   agent=a, sampling=SamplingParams(max_tokens=4))
+                                      for a in ("coder", "reviewer")))
+    finally:
+        await eng.aclose()
+    assert all(o.usage.reused_tokens > 0 for o in outs)
+    corrections = [agent for kind, agent in events if kind == "correct"]
+    assert sorted(corrections) == ["coder", "reviewer"]
+    first, second = corrections
+    assert events.index(("first token", first)) < events.index(("correct", second))
