@@ -55,12 +55,12 @@ class Scheduler:
         """Move waiting requests to running, FIFO, while their KV can be promised."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            self._find_reusable(req)
+            self.plan(req)
             need = self._own_blocks(req, req.max_total_tokens) - len(req.blocks)
             while need > self._room and self.segments.evict_one():
                 pass
             if need > self._room:
-                self._release(req)
+                self.release(req)
                 req.num_computed = req.cached_tokens = req.reused_tokens = 0
                 return
             self.waiting.popleft()
@@ -69,10 +69,6 @@ class Scheduler:
             self.running.append(req)
 
     # --- side requests (ahead-of-time corrections, engine/prefetch.py) ----------------------------
-    def plan(self, req: Request) -> None:
-        """Find the KV a request need not compute (pins the home views it reuses) without admitting it."""
-        self._find_reusable(req)
-
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Promise and allocate the blocks a planned request owns for num_tokens; False (nothing taken)
         when they do not fit next to what running requests were promised."""
@@ -84,10 +80,6 @@ class Scheduler:
         self.ensure_blocks(req, num_tokens)
         return True
 
-    def release(self, req: Request) -> None:
-        """Free a side request's blocks, promises and pins."""
-        self._release(req)
-
     @property
     def _room(self) -> int:
         """Blocks free or evictable that no running request was promised."""
@@ -98,8 +90,9 @@ class Scheduler:
         bs = self.store.block_size
         return sum(1 for i in range(self.blocks_for(num_tokens)) if not req.is_hole(i * bs, (i + 1) * bs))
 
-    def _find_reusable(self, req: Request) -> None:
-        """The reuse seam: give the request KV it need not compute, before its prefill."""
+    def plan(self, req: Request) -> None:
+        """The reuse seam: give the request KV it need not compute, before its prefill (pins the home
+        views it reuses). Admission calls it; side requests call it without being admitted."""
         if not req.prompt.prefix_stable:
             return
         if req.options.reuse in CROSS_AGENT_MODES and self.corrector is not None:
@@ -119,9 +112,10 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._release(req)
+        self.release(req)
 
-    def _release(self, req: Request) -> None:
+    def release(self, req: Request) -> None:
+        """Free a request's blocks, promises and pins (finish() and side requests)."""
         for b in req.blocks:
             if b >= 0:
                 self.store.decref(b, cached=self.prefix.is_cached(b))
