@@ -29,18 +29,30 @@ class SeqSlice:
 SMALL_QUERY = 64
 
 
-def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """sdpa() for few queries as matmuls over KV-head groups (no K/V expansion)."""
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention as matmuls over KV-head groups (no K/V expansion): q [n, H, D], k/v [ctx, KVH, D],
+    ``visible`` [n, ctx] (None: every key). Returns the output [n, H, D] and the probabilities
+    [KVH, G, n, ctx]."""
     n, heads, d = q.shape
     ctx, kvh = k.shape[0], k.shape[1]
     g = heads // kvh
     qg = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
-    scores = (qg @ k.permute(1, 2, 0)) * scale                            # [KVH, G*n, ctx]
-    if n > 1:
-        hidden = torch.arange(ctx, device=q.device) > torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
-        scores = scores.view(kvh, g, n, ctx).masked_fill(hidden, float("-inf")).view(kvh, g * n, ctx)
+    scores = ((qg @ k.permute(1, 2, 0)) * scale).view(kvh, g, n, ctx)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return (probs @ v.transpose(0, 1)).view(kvh, g, n, d).permute(2, 0, 1, 3).reshape(n, heads, d)
+    out = (probs.view(kvh, g * n, ctx) @ v.transpose(0, 1)).view(kvh, g, n, d).permute(2, 0, 1, 3)
+    return out.reshape(n, heads, d), probs
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """sdpa() for few queries on CPU."""
+    n, ctx = q.shape[0], k.shape[0]
+    visible = None
+    if n > 1:
+        visible = torch.arange(ctx, device=q.device) <= torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+    return grouped_attention(q, k, v, scale, visible)[0]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .attention import sdpa
+from .attention import grouped_attention, sdpa
 from .realign import Realigner
 from .rope import rotate
 from .view_attention import SegmentPiece
@@ -92,12 +92,6 @@ def gathered_mass_attention(q: torch.Tensor, q_positions: torch.Tensor, key_posi
     visible when its position <= the query's; returns the output [Tq, H, D] and the attention mass [N]
     (fp32) each key receives, summed over heads and queries. The selection pass's backend."""
     k, v = gathered_kv(view, k_cache, v_cache, layer)
-    tq, heads, d = q.shape
-    kvh = k.shape[1]
-    g = heads // kvh
-    qg = q.float().view(tq, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * tq, d)
-    scores = (qg @ k.float().permute(1, 2, 0)) * scale                      # [KVH, G*Tq, N]
-    visible = (key_positions.unsqueeze(0) <= q_positions.unsqueeze(1)).repeat(g, 1)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    out = (probs @ v.float().transpose(0, 1)).view(kvh, g, tq, d).permute(2, 0, 1, 3).reshape(tq, heads, d)
-    return out.to(q.dtype), probs.sum(dim=(0, 1))
+    visible = key_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+    out, probs = grouped_attention(q.float(), k.float(), v.float(), scale, visible)
+    return out.to(q.dtype), probs.sum(dim=(0, 1, 2))
