@@ -296,11 +296,12 @@ class Engine:
                     self.prefetcher.run_for({r.agent for r in self.scheduler.waiting})
                 self._correct_one()
                 items = self.scheduler.schedule()
-                self._track_peak()                # blocks of this step and fresh corrections, before any retire
+                # Peak: this step's blocks and fresh corrections, before the step retires anything (a step
+                # only writes into blocks planned here; a prefetch samples its own).
+                self._track_peak()
                 if items:
                     self._step(items)
                 self._prefetch_when_quiet()
-                self._track_peak()
             except Exception as exc:     # a bug outside any one request: fail everything in flight
                 for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._fail(req, EngineError(f"engine step failed: {exc!r}"))
