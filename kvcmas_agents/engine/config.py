@@ -12,7 +12,7 @@ CROSS_AGENT_MODES: tuple[str, ...] = ("naive", "kvcmas", "cacheblend", "kvcomm")
 PRIVATE_COPY_MODES: tuple[str, ...] = ("cacheblend", "kvcomm")
 REFERENCES: tuple[str, ...] = ("home", "chain")
 BASES: tuple[str, ...] = ("request", "segment")
-CORRECTION_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "kv")
+CORRECTION_DTYPES: tuple[str, ...] = ("int8", "bfloat16", "float16", "float32", "kv")
 DEFAULT_MODEL = "smollm2-135m-instruct"
 VIEW_PATHS: tuple[str, ...] = ("auto", "gather", "query", "triton")
 
@@ -48,9 +48,10 @@ class EngineConfig:
     basis: "request" compresses all segments one request corrects against one shared rank-r basis per
         layer and KV head (the r x head_dim basis is stored once, not once per segment); "segment"
         gives every segment its own basis.
-    correction_dtype: storage dtype of the low-rank factors: "bfloat16" (default: their rounding,
-        ~0.4% of a correction, is far below the rank truncation error, and it halves their bytes),
-        "float16", "float32", or "kv" (the KV cache's dtype). recompute_ratio=1.0 keeps the exact
+    correction_dtype: storage dtype of the low-rank factors: "int8" (U in one byte per entry with a
+        per-component scale folded into a bf16 B: about 1% of a correction, a quarter of fp32's bytes),
+        "bfloat16" (default), "float16",
+        "float32", or "kv" (the KV cache's dtype). recompute_ratio=1.0 keeps the exact
         deviation in the KV dtype whatever this says.
     kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.
     block_size: tokens per KV block.

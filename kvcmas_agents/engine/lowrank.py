@@ -60,7 +60,8 @@ class LowRankDelta:
 
     def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reconstructed deviations (dk, dv), each [KVH, R, D], for one layer."""
-        return self.uk[layer] @ self.bk[layer], self.uv[layer] @ self.bv[layer]
+        return (self.uk[layer].to(self.bk.dtype) @ self.bk[layer],
+                self.uv[layer].to(self.bv.dtype) @ self.bv[layer])
 
     def to(self, device: torch.device | str) -> "LowRankDelta":
         return LowRankDelta(*(t.to(device) for t in (self.rows, self.uk, self.bk, self.uv, self.bv)))
@@ -87,12 +88,23 @@ def _truncated(d: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Te
     return u.to(dtype), (u.transpose(-1, -2) @ x).to(dtype)
 
 
+def _quantized(u: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """U [..., R, r] as int8 with one scale per component (column), folded into B [..., r, D] (bf16):
+    (U_q * s) @ B == U_q @ (s * B), so readers only cast U_q; no separate scale tensor to carry."""
+    if u.numel() == 0:
+        return u.to(torch.int8), b.to(torch.bfloat16)
+    scale = u.abs().amax(dim=-2, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [..., 1, r]
+    u_q = torch.round(u / scale).clamp_(-127, 127).to(torch.int8)
+    return u_q, (b * scale.transpose(-1, -2)).to(torch.bfloat16)
+
+
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
              dtype: torch.dtype | None = None) -> LowRankDelta:
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
-    Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp32;
-    factors are stored in ``dtype`` (default: dk's dtype).
+    Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
+    factors are stored in ``dtype`` (default: dk's dtype). ``torch.int8`` stores U quantized per
+    component and B in bf16 (see ``_quantized``).
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")
@@ -103,8 +115,12 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     dtype = dtype or dk.dtype
-    uk, bk = _truncated(dk, rank, dtype)
-    uv, bv = _truncated(dv, rank, dtype)
+    if dtype == torch.int8:
+        uk, bk = _quantized(*_truncated(dk, rank, torch.float32))
+        uv, bv = _quantized(*_truncated(dv, rank, torch.float32))
+    else:
+        uk, bk = _truncated(dk, rank, dtype)
+        uv, bv = _truncated(dv, rank, dtype)
     return LowRankDelta(rows.to(device=dk.device, dtype=torch.long), uk, bk, uv, bv)
 
 

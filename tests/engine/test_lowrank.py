@@ -171,3 +171,23 @@ def test_joint_basis_is_shared_reconstructs_at_full_rank_and_is_counted_once():
     assert unique_nbytes(low) < unique_nbytes(apart)
     with pytest.raises(ValueError):
         compress_joint([], [], [], rank=2)
+
+
+def test_int8_factors_quantize_u_per_component_and_fold_the_scale_into_b():
+    """int8 storage: U in one byte per entry, B in bf16 carrying each component's scale, so U_q @ B
+    reconstructs the float factors to within half a quantization step per component."""
+    dk, dv = _devs(40, seed=3)
+    rows = torch.arange(40)
+    ref = compress(dk, dv, rows, rank=8, dtype=torch.float32)
+    q = compress(dk, dv, rows, rank=8, dtype=torch.int8)
+    assert q.uk.dtype == q.uv.dtype == torch.int8 and q.bk.dtype == q.bv.dtype == torch.bfloat16
+    assert q.uk.abs().amax(dim=-2).min() == 127          # every component uses the full int8 range
+    assert q.nbytes == rows.nbytes + 2 * (q.uk.numel() + 2 * q.bk.numel())
+    for layer in range(L):
+        for got, want in zip(q.dense(layer), ref.dense(layer)):
+            err = (got.float() - want).norm() / want.norm()
+            assert 0 < err < 0.02
+    # Composing int8 states at a capped rank stays int8; empty rows still work.
+    assert compose([q, q], rank=4).uk.dtype == torch.int8
+    empty = compress(dk[:, :, :0], dv[:, :, :0], torch.zeros(0, dtype=torch.long), rank=8, dtype=torch.int8)
+    assert empty.num_rows == 0 and empty.uk.dtype == torch.int8

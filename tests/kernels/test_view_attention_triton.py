@@ -22,7 +22,7 @@ LAYERS = 2
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, lengths=(6, 37, 23)):
+def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, lengths=(6, 37, 23), factors=None):
     """Own prefix + two reused segments (deltas 13 and -4) + own tail whose last tq tokens query."""
     g = torch.Generator().manual_seed(seed)
     slots_total = 400
@@ -39,7 +39,7 @@ def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, len
                 "some": torch.randperm(n, generator=g)[: n // 3 + 1]}[rows_mode]
         dk = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
         dv = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
-        return compress(dk, dv, rows, rank, dtype=dtype)
+        return compress(dk, dv, rows, rank, dtype=factors or dtype)
 
     pieces = [OwnPiece(slots[0], pos[0])]
     for i, delta in enumerate((13, -4)):
@@ -97,6 +97,14 @@ def test_split_kv_decode_matches_oracle():
     """Key tiles spread over several programs, merged by log-sum-exp (the GPU decode layout)."""
     args = _scenario(64, 4, 2, 16, "some", 2, 1, torch.float32, seed=3, lengths=(20, 70, 41))
     _check(args, torch.float32, 16, num_splits=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_factors_match_oracle(dtype):
+    """The engine's default correction storage: U in int8 (scales folded into a bf16 B)."""
+    args = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=11, factors=torch.int8)
+    assert args[2][1].deltas[0].uk.dtype == torch.int8
+    _check(args, dtype, 16)
 
 
 def test_corrections_and_realignment_matter():
