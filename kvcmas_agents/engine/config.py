@@ -45,12 +45,14 @@ class EngineConfig:
     prefetch_ratio: recompute ratio of those ahead-of-time corrections (at least recompute_ratio). They
         are selected before the successor's real tail is known, so they recompute more rows; the work
         is off the successor's critical path.
+    recompute_newest: with "kvcmas" (recompute_ratio > 0), the newest reused message (right before a
+        request's own tail) is recomputed whole on top of recompute_ratio (see Corrector._newest).
     basis: "request" compresses all segments one request corrects against one shared rank-r basis per
         layer and KV head (the r x head_dim basis is stored once, not once per segment); "segment"
         gives every segment its own basis.
-    correction_dtype: storage dtype of the low-rank factors: "int8" (U in one byte per entry with a
-        per-component scale folded into a bf16 B: about 1% of a correction, a quarter of fp32's bytes),
-        "bfloat16" (default), "float16",
+    correction_dtype: storage dtype of the low-rank factors: "int8" (default: U in one byte per entry
+        with a per-component scale folded into a bf16 B; its rounding is about 1% of a correction, far
+        below the rank truncation error, at a quarter of fp32's bytes), "bfloat16", "float16",
         "float32", or "kv" (the KV cache's dtype). recompute_ratio=1.0 keeps the exact
         deviation in the KV dtype whatever this says.
     kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.
@@ -71,15 +73,16 @@ class EngineConfig:
     max_context: int | None = None
     cache_dir: str | None = None
     recompute_ratio: float = 0.5
-    rank: int = 32
+    rank: int = 40
     reference: str = "home"
     blend_ratio: float = 0.15
     kvcomm_anchors: int = 20
     kvcomm_threshold: float = 0.25
     prefetch: bool = True
     prefetch_ratio: float = 0.9
+    recompute_newest: bool = True
     basis: str = "request"
-    correction_dtype: str = "bfloat16"
+    correction_dtype: str = "int8"
     # attention over corrected views: "auto" (Triton kernel on CUDA, else "gather"), "gather" (torch,
     # gathered keys + SDPA), "query" (torch view_attention), "triton" (the kernel; TRITON_INTERPRET on CPU)
     view_path: str = "auto"

@@ -46,6 +46,7 @@ class Corrector:
         self.anchors = anchors if anchors is not None else AnchorPool()
         self.joint_basis = True        # one basis for a request's corrections (EngineConfig.basis)
         self.state_dtype: torch.dtype | None = None    # factors' storage dtype (None: the KV dtype)
+        self.newest_whole = True       # EngineConfig.recompute_newest
         self.baselines = {"cacheblend": CacheBlend(self), "kvcomm": KVComm(self, self.anchors)}
 
     # --- planning (at admission) ---------------------------------------------------------------
@@ -196,9 +197,11 @@ class Corrector:
     def _select(self, req: Request, pending: list[ReusePiece]) -> list[torch.Tensor]:
         """Rows (local to each pending piece) to recompute, ranked by the tail's attention mass. Frames
         are recomputed whole on top of the ratio: they were new text, computed in full, before they had
-        homes, and are few tokens."""
+        homes, and are few tokens. So is the newest reused message (see ``_newest``)."""
         total = sum(p.end - p.start for p in pending)
-        forced = sum(p.end - p.start for p in pending if p.frame)
+        whole = self._newest(req, pending) if req.options.recompute_ratio > 0 else set()
+        whole |= {id(p) for p in pending if p.frame}
+        forced = sum(p.end - p.start for p in pending if id(p) in whole)
         k = round(req.options.recompute_ratio * (total - forced)) + forced
         if k >= total:
             return [torch.arange(p.end - p.start) for p in pending]
@@ -220,7 +223,7 @@ class Corrector:
         backend = _MassBackend(self, pieces, self.store.slots(req.blocks, b, n), positions, spans, skip=b - qs)
         ids = torch.tensor(req.prompt_ids[qs:n], device=self.model.device)
         self.model.forward(ids, positions, backend)
-        mass = torch.cat([m.fill_(float("inf")) if p.frame else m for p, m in zip(pending, backend.mass)])
+        mass = torch.cat([m.fill_(float("inf")) if id(p) in whole else m for p, m in zip(pending, backend.mass)])
         top = torch.topk(mass, k).indices.sort().values
         out, offset = [], 0
         for p in pending:
@@ -229,6 +232,18 @@ class Corrector:
             out.append(sel.cpu())
             offset += size
         return out
+
+    def _newest(self, req: Request, pending: list[ReusePiece]) -> set[int]:
+        """ids of the pending pieces of the newest reused message, the one right before the own tail
+        (at most a frame's tokens between). A prefetch never corrects it (the reply was not decoded yet), so
+        it is always corrected inline; a debate judge's turn broke on a near-tie with half its rows
+        corrected and held with all of them (at rank >= 40)."""
+        if not self.newest_whole or req.select_from is not None:
+            return set()        # a prefetch: the real request's newest message (a reply) is not known yet
+        last = next((i for i in range(len(pending) - 1, -1, -1) if not pending[i].frame), None)
+        if last is None or req.reuse_end - pending[last].end > MAX_FRAME:
+            return set()
+        return {id(p) for p in pending[last:]}
 
     def _recompute(self, req: Request, pending: list[ReusePiece], rows: list[torch.Tensor],
                    new: list[ReusePiece]) -> None:

@@ -66,6 +66,7 @@ class Engine:
                                    AnchorPool(self.config.kvcomm_anchors, self.config.kvcomm_threshold))
         self.scheduler.corrector = self.corrector
         self.corrector.joint_basis = self.config.basis == "request"
+        self.corrector.newest_whole = self.config.recompute_newest
         if self.config.correction_dtype != "kv":
             self.corrector.state_dtype = getattr(torch, self.config.correction_dtype)
         self.prefetcher = (Prefetcher(self.scheduler, self.corrector, self.successors, self.config.prefetch_ratio)

@@ -216,14 +216,15 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
         await ours.aclose()
 
 
-async def test_correction_factors_are_stored_in_bfloat16_at_close_fidelity(engine):
-    """Default correction_dtype keeps the factors in bf16 (half the bytes of fp32); the first-token
-    distribution moves far less than the correction itself moves it."""
+async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine):
+    """The default correction_dtype keeps U in int8 (B in bf16, carrying U's scales): a quarter of fp32's
+    bytes for U; the first-token distribution moves far less than the correction itself moves it."""
     history = await conversation(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
-    for dtype in ("bfloat16", "float32"):
+    for dtype in ("int8", "bfloat16", "float32"):
         eng = Engine(EngineConfig(reuse="kvcmas", correction_dtype=dtype, prefetch=False))
+        assert (dtype == "int8") == (EngineConfig().correction_dtype == dtype)
         try:
             await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
             outs[dtype] = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
@@ -231,11 +232,34 @@ async def test_correction_factors_are_stored_in_bfloat16_at_close_fidelity(engin
             assert outs[dtype].usage.recomputed_tokens > 0
         finally:
             eng.close()
+    assert {s.uk.dtype for s in states["int8"]} == {torch.int8}
+    assert {s.bk.dtype for s in states["int8"]} == {torch.bfloat16}
     assert {s.uk.dtype for s in states["bfloat16"]} == {torch.bfloat16}
     assert {s.uk.dtype for s in states["float32"]} == {torch.float32}
-    b16, b32 = (sum(s.nbytes - s.rows.nbytes for s in states[d]) for d in ("bfloat16", "float32"))
-    assert b16 * 2 == b32
+    u_bytes = {d: sum(s.uk.nbytes + s.uv.nbytes for s in states[d]) for d in states}
+    assert u_bytes["int8"] * 4 == u_bytes["bfloat16"] * 2 == u_bytes["float32"]
     naive = await engine.generate(prompt("coder", history), agent="c-naive", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="naive"))
     moved = kl(outs["float32"].logits[0], naive.logits[0])
-    assert kl(outs["float32"].logits[0], outs["bfloat16"].logits[0]) < moved / 20
+    for dtype in ("int8", "bfloat16"):
+        assert kl(outs["float32"].logits[0], outs[dtype].logits[0]) < moved / 20, dtype
+
+
+async def test_the_newest_reused_message_is_recomputed_whole(engine):
+    """With recompute_newest (default), every row of the message right before the tail is recomputed on
+    top of recompute_ratio; without it, only the ratio's share of the rows is."""
+    history = await conversation(engine, turns=3)
+    newest = {}
+    for on in (True, False):
+        eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, recompute_newest=on, recompute_ratio=0.25))
+        try:
+            await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
+            out = await eng.generate(prompt("coder", history), agent="coder", sampling=FIRST)
+            corrs = [(key[1], c) for key, c in eng.scheduler.segments._corrections.items() if c.agent == "coder"]
+            tokens, last = max(corrs, key=lambda kc: kc[1].start)
+            newest[on] = (last.own.num_rows, len(tokens), out.usage.recomputed_tokens)
+        finally:
+            eng.close()
+    (rows_on, size, rec_on), (rows_off, size_off, rec_off) = newest[True], newest[False]
+    assert size == size_off and rows_on == size > rows_off > 0
+    assert rec_on > rec_off
