@@ -66,23 +66,61 @@ def _dense(us: list[torch.Tensor], b: torch.Tensor, layer: int, dtype: torch.dty
 
 
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's corrected keys and values [N, KVH, D] (temporary)."""
+                layer: int, corrected: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's corrected keys and values [N, KVH, D] (temporary); ``corrected=False`` leaves out the
+    low-rank rows (realigned home keys only)."""
     k, v = k_cache.index_select(0, view.slots), v_cache.index_select(0, view.slots)   # 2-3x faster than k[idx] on CPU
     m = view.cos.shape[0]
     if m:
         k[:m] = rotate(k[:m], view.cos, view.sin)
-    if view.corrections:       # one scatter for all bases: per-call overhead dominates on CPU
+    if corrected and view.corrections:       # one scatter for all bases: per-call overhead dominates on CPU
         k.index_add_(0, view.rows, torch.cat([_dense(uks, bk, layer, k.dtype) for uks, bk, _, _ in view.corrections]))
         v.index_add_(0, view.rows, torch.cat([_dense(uvs, bv, layer, v.dtype) for _, _, uvs, bv in view.corrections]))
     return k, v
 
 
+# Up to this many queries, the low-rank terms go into the scores and the output (G * Tq * r * R work
+# per KV head) instead of into R dense key/value rows (r * D * R): decode steps no longer rebuild every
+# corrected row of the view in every layer.
+LOWRANK_QUERY = 8
+
+
 def gathered_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        layer: int, scale: float) -> torch.Tensor:
     """Causal attention of the last len(q) positions over the view; q [Tq, H, D] -> [Tq, H, D]."""
+    if view.corrections and q.shape[0] <= LOWRANK_QUERY:
+        return _lowrank_attention(q, view, k_cache, v_cache, layer, scale)
     k, v = gathered_kv(view, k_cache, v_cache, layer)
     return sdpa(q, k, v, scale)
+
+
+def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       layer: int, scale: float) -> torch.Tensor:
+    """gathered_attention for few queries: scores += (q . B_k^T) . U_k^T on corrected rows and
+    output += (P[:, rows] . U_v) . B_v, over realigned home keys (the kernel's math, batched per basis)."""
+    k, v = gathered_kv(view, k_cache, v_cache, layer, corrected=False)
+    n, heads, dim = q.shape
+    ctx, kvh = k.shape[0], k.shape[1]
+    g = heads // kvh
+    qg = q.view(n, kvh, g, dim).permute(1, 2, 0, 3).reshape(kvh, g * n, dim)
+    scores = qg @ k.permute(1, 2, 0)                                    # [KVH, G*n, ctx]
+    parts, offset = [], 0
+    for uks, bk, uvs, bv in view.corrections:
+        uk, uv = (us[0][layer] if len(us) == 1 else torch.cat([u[layer] for u in us], dim=1) for us in (uks, uvs))
+        rows = view.rows[offset:offset + uk.shape[1]]
+        offset += uk.shape[1]
+        qb = qg @ bk[layer].to(q.dtype).transpose(-1, -2)              # [KVH, G*n, r]
+        scores.index_add_(-1, rows, qb @ uk.to(q.dtype).transpose(-1, -2))
+        parts.append((rows, uv, bv))
+    scores = (scores * scale).view(kvh, g, n, ctx)
+    if n > 1:
+        visible = torch.arange(ctx, device=q.device) <= torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(kvh, g * n, ctx)
+    out = probs @ v.transpose(0, 1)                                     # [KVH, G*n, D]
+    for rows, uv, bv in parts:
+        out += (probs.index_select(-1, rows) @ uv.to(q.dtype)) @ bv[layer].to(q.dtype)
+    return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 
 def gathered_mass_attention(q: torch.Tensor, q_positions: torch.Tensor, key_positions: torch.Tensor,

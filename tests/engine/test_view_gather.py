@@ -12,7 +12,7 @@ from kvcmas_agents.engine.view_gather import build_view, gathered_attention, gat
 
 
 @pytest.mark.parametrize("head_dim, group, kv_heads, rank, tq", [
-    (64, 3, 3, 16, 1), (64, 1, 2, 4, 5), (128, 4, 1, 0, 3), (64, 3, 3, 64, 7)])
+    (64, 3, 3, 16, 1), (64, 1, 2, 4, 5), (128, 4, 1, 0, 3), (64, 3, 3, 64, 7), (64, 3, 3, 16, 12)])
 def test_gather_path_matches_view_attention(head_dim, group, kv_heads, rank, tq):
     torch.manual_seed(0)
     layers, slots_total = 2, 400
