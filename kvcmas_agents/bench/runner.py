@@ -24,7 +24,8 @@ from .methods import METHODS, Method
 from .traces import Trace
 
 Log = Callable[[str], None]
-MEMORY_KEYS = ("kv_bytes_peak", "kv_bytes_total_peak", "home_view_bytes", "correction_bytes", "anchor_bytes")
+MEMORY_KEYS = ("kv_bytes_peak", "kv_bytes_total_peak", "home_view_bytes", "correction_bytes",
+               "correction_basis_bytes", "anchor_bytes")
 
 
 def _stderr(msg: str) -> None:

@@ -206,7 +206,7 @@ class Engine:
             "reference": self.config.reference, "basis": self.config.basis, "prefetch_ratio": self.config.prefetch_ratio,
             "home_views": seg.homes, "home_view_tokens": seg.home_tokens, "home_view_bytes": home_bytes,
             "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
-            "correction_bytes_by_agent": seg.by_agent, "home_views_evicted": seg.evicted,
+            "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent, "home_views_evicted": seg.evicted,
             "blend_ratio": self.config.blend_ratio, "kvcomm_anchors": self.config.kvcomm_anchors,
             "kvcomm_threshold": self.config.kvcomm_threshold,
             "anchors": anchors.anchors, "anchor_bytes": anchors.anchor_bytes,

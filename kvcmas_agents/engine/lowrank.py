@@ -147,12 +147,13 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
     return out
 
 
-def unique_nbytes(deltas: Iterable[LowRankDelta]) -> int:
-    """Bytes held by these deltas, counting a tensor shared by several of them (a joint basis) once."""
+def unique_nbytes(deltas: Iterable[LowRankDelta], bases_only: bool = False) -> int:
+    """Bytes held by these deltas, counting a tensor shared by several of them (a joint basis) once;
+    ``bases_only`` counts only the B factors."""
     seen: set[int] = set()
     total = 0
     for d in deltas:
-        for t in d.tensors():
+        for t in ((d.bk, d.bv) if bases_only else d.tensors()):
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()

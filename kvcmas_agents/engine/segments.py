@@ -60,6 +60,7 @@ class SegmentStats:
     home_tokens: int = 0
     corrections: int = 0
     correction_bytes: int = 0
+    basis_bytes: int = 0        # the part of correction_bytes held by B factors
     evicted: int = 0
     by_agent: dict[str, int] = field(default_factory=dict)
 
@@ -156,6 +157,7 @@ class SegmentStore:
     def stats(self) -> SegmentStats:
         s = SegmentStats(homes=len(self._homes), home_tokens=sum(len(k) for k in self._homes),
                          corrections=len(self._corrections), correction_bytes=self.correction_bytes,
+                         basis_bytes=unique_nbytes((c.own for c in self._corrections.values()), bases_only=True),
                          evicted=self.evicted)
         for agent in {c.agent for c in self._corrections.values()}:
             s.by_agent[agent] = unique_nbytes(c.own for c in self._corrections.values() if c.agent == agent)

@@ -85,6 +85,7 @@ async def test_corrections_persist_across_turns(engine):
     assert torch.allclose(first.logits[0], again.logits[0], atol=1e-4)
     stats = engine.stats()
     assert stats["corrections"] > 0 and stats["correction_bytes"] > 0
+    assert 0 < stats["correction_basis_bytes"] < stats["correction_bytes"]
     assert stats["correction_bytes_by_agent"]["c2"] > 0
 
 

@@ -165,6 +165,7 @@ def test_joint_basis_is_shared_reconstructs_at_full_rank_and_is_counted_once():
             torch.testing.assert_close(rv, dv[layer], rtol=0, atol=1e-4)
     shared = states[0].bk.numel() * 4 + states[0].bv.numel() * 4
     assert unique_nbytes(states) == sum(s.nbytes for s in states) - 2 * shared
+    assert unique_nbytes(states, bases_only=True) == shared
     # At a low rank the joint basis costs less than one basis per segment.
     low = compress_joint([p[0] for p in parts], [p[1] for p in parts], rows, rank=2)
     apart = [compress(dk, dv, r, rank=2) for (dk, dv), r in zip(parts, rows)]
