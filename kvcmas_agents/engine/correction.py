@@ -34,6 +34,7 @@ from .view_gather import GatheredView, build_view, gathered_kv, gathered_mass_at
 __all__ = ["CROSS_AGENT_MODES", "Corrector"]
 
 
+NEWEST_SPAN = 256       # how far back from the tail the newest reused reply is recomputed whole
 MAX_FRAME = 16          # tokens of role header and trailer around a decoded reply inside its message
 
 
@@ -234,15 +235,19 @@ class Corrector:
         return out
 
     def _newest(self, req: Request, pending: list[ReusePiece]) -> set[int]:
-        """ids of the pending pieces of the newest reused message, the one right before the own tail
-        (at most a frame's tokens between). A prefetch never corrects it (the reply was not decoded yet), so
-        it is always corrected inline; a debate judge's turn broke on a near-tie with half its rows
-        corrected and held with all of them (at rank >= 40)."""
+        """ids of the pending pieces recomputed whole: the newest reused message, the one right before
+        the own tail (at most a frame's tokens between), and back to the newest reused reply when that
+        starts within NEWEST_SPAN tokens of the tail (a hand-off line often follows it). No prefetch can
+        correct that reply (it was not decoded yet). A debate judge's turn broke on a near-tie with
+        half the newest rows corrected and held with all of them (at rank >= 40)."""
         if not self.newest_whole or req.select_from is not None:
             return set()        # a prefetch: the real request's newest message (a reply) is not known yet
         last = next((i for i in range(len(pending) - 1, -1, -1) if not pending[i].frame), None)
         if last is None or req.reuse_end - pending[last].end > MAX_FRAME:
             return set()
+        reply = next((i for i in range(last, -1, -1) if pending[i].home.decoded), None)
+        if reply is not None and req.reuse_end - pending[reply].start <= NEWEST_SPAN:
+            last = min(last, reply)           # (its frames are recomputed whole anyway)
         return {id(p) for p in pending[last:]}
 
     def _recompute(self, req: Request, pending: list[ReusePiece], rows: list[torch.Tensor],

@@ -264,3 +264,27 @@ async def test_the_newest_reused_message_is_recomputed_whole(engine):
     (rows_on, size, rec_on), (rows_off, size_off, rec_off) = newest[True], newest[False]
     assert size == size_off and rows_on == size > rows_off > 0
     assert rec_on > rec_off
+
+
+async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole():
+    """A reply followed by a short hand-off line: no prefetch could correct that reply (it was not
+    decoded yet), so it is recomputed whole along with the hand-off; older messages keep the ratio."""
+    ours = Engine(EngineConfig(reuse="kvcmas", prefetch=False, recompute_ratio=0.25))
+    try:
+        history = [{"role": "user", "content": TASK}]
+        reply = await ours.generate(prompt("planner", history), agent="planner",
+                                    sampling=SamplingParams(max_tokens=24, ignore_eos=True))
+        seen = history + [{"role": "user", "content": f"[planner]\n{reply.text}"},
+                          {"role": "user", "content": "Coder, your turn: write the function now."}]
+        await ours.generate(prompt("reviewer", seen), agent="reviewer", sampling=FIRST)   # homes the hand-off
+        await ours.generate(prompt("coder", seen), agent="coder", sampling=FIRST)
+        segments = ours.scheduler.segments
+        mine = sorted((c.start, segments.lookup(key[1]).decoded, c.own.num_rows, len(key[1]))
+                      for key, c in segments._corrections.items() if c.agent == "coder")
+        task, handoff = mine[0], mine[-1]
+        replies = [m for m in mine if m[1]]
+        assert len(replies) == 1 and replies[0][2] == replies[0][3] > 0      # the reply, whole
+        assert handoff[2] == handoff[3] > 0 and not handoff[1]                # the hand-off, whole
+        assert 0 < task[2] < task[3] / 2                                      # the task, at the ratio
+    finally:
+        await ours.aclose()
