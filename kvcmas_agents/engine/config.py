@@ -46,7 +46,8 @@ class EngineConfig:
         are selected before the successor's real tail is known, so they recompute more rows; the work
         is off the successor's critical path.
     recompute_newest: with "kvcmas" (recompute_ratio > 0), the newest reused message (right before a
-        request's own tail) is recomputed whole on top of recompute_ratio (see Corrector._newest).
+        request's own tail), and the newest reused reply when it lies within 256 tokens of the tail, are
+        recomputed whole on top of recompute_ratio (see Corrector._newest).
     basis: "request" compresses all segments one request corrects against one shared rank-r basis per
         layer and KV head (the r x head_dim basis is stored once, not once per segment); "segment"
         gives every segment its own basis.
