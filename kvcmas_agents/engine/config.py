@@ -51,9 +51,10 @@ class EngineConfig:
     basis: "request" compresses all segments one request corrects against one shared rank-r basis per
         layer and KV head (the r x head_dim basis is stored once, not once per segment); "segment"
         gives every segment its own basis.
-    correction_dtype: storage dtype of the low-rank factors: "int8" (default: U in one byte per entry
-        with a per-component scale folded into a bf16 B; its rounding is about 1% of a correction, far
-        below the rank truncation error, at a quarter of fp32's bytes), "bfloat16", "float16",
+    correction_dtype: storage dtype of the low-rank factors: "int8" (default: U and B in one byte per
+        entry, U's per-component scales folded into B and one fp32 scale per component left; the
+        rounding is about 1% of a correction, far below the rank truncation error, at about a
+        quarter of fp32's bytes), "bfloat16", "float16",
         "float32", or "kv" (the KV cache's dtype). recompute_ratio=1.0 keeps the exact
         deviation in the KV dtype whatever this says.
     kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.

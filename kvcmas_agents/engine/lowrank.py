@@ -2,21 +2,28 @@
 
 For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per layer and KV head
 (likewise for V). Factors are stored as ``U`` [L, KVH, R, r] (singular values folded in) and ``B``
-[L, KVH, r, D], so a state costs O(R * r + r * D) per head instead of O(T * D).
+[L, KVH, r, D], so a state costs O(R * r + r * D) per head instead of O(T * D). In int8, B carries
+one fp32 scale per component (``sk``/``sv``); readers get B through ``Basis``, which dequantizes it and,
+for keys, applies the state's pending position ``shift``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 import torch
+
+from .rope import rotate
 
 
 @dataclass
 class LowRankDelta:
     """Deviation of ``rows`` of a segment, per layer and KV head: K rows += uk @ bk, V rows += uv @ bv.
 
-    Key factors live in the positional frame of the view they correct (see ``Realigner.rotate_delta``).
+    Key factors live in the positional frame of the view they were computed in; ``shift`` is the
+    rotation (in positions) still owed to B_k to move them into the view they now correct (see
+    ``Realigner.rotate_delta``), applied when read, so a moved state shares its tensors instead of
+    holding a rotated copy. ``sk``/``sv`` [L, KVH, r, 1] are the per-component scales of int8 B factors.
     """
 
     rows: torch.Tensor   # LongTensor [R], unique indices into the segment's tokens
@@ -24,6 +31,9 @@ class LowRankDelta:
     bk: torch.Tensor     # [L, KVH, r, D]
     uv: torch.Tensor     # [L, KVH, R, r]
     bv: torch.Tensor     # [L, KVH, r, D]
+    sk: torch.Tensor | None = None
+    sv: torch.Tensor | None = None
+    shift: int = 0
 
     def __post_init__(self) -> None:
         layers, heads, nrows, _ = self.uk.shape
@@ -32,6 +42,9 @@ class LowRankDelta:
         if self.bk.shape[:3] != (layers, heads, self.uk.shape[3]) or \
                 self.bv.shape[:3] != (layers, heads, self.uv.shape[3]):
             raise ValueError("U and B factors disagree on rank or layout")
+        for b, s in ((self.bk, self.sk), (self.bv, self.sv)):
+            if (s is None) != (b.dtype != torch.int8) or (s is not None and s.shape != (*b.shape[:3], 1)):
+                raise ValueError("int8 B factors need scales [L, KVH, r, 1], and only they have scales")
 
     @classmethod
     def empty(cls, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32,
@@ -52,19 +65,54 @@ class LowRankDelta:
 
     @property
     def nbytes(self) -> int:
-        """Exact bytes held by the state's tensors, rows included."""
-        return sum(t.numel() * t.element_size() for t in (self.rows, self.uk, self.bk, self.uv, self.bv))
+        """Exact bytes held by the state's tensors, rows and scales included."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.rows, self.uk, self.bk, self.uv, self.bv)
+        return (self.rows, self.uk, self.uv) + self.basis_tensors()
+
+    def basis_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The B factors and their scales (what a joint basis shares)."""
+        return tuple(t for t in (self.bk, self.sk, self.bv, self.sv) if t is not None)
+
+    def key_basis(self, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Basis":
+        """B_k as readers need it; ``cos_sin`` rotates it by ``shift`` (``Realigner.key_basis`` passes it)."""
+        if self.shift and cos_sin is None:
+            raise ValueError(f"this state's keys still owe a rotation by {self.shift}: read them through "
+                             "Realigner.key_basis")
+        return Basis(self.bk, self.sk, *(cos_sin if self.shift else (None, None)))
+
+    def value_basis(self) -> "Basis":
+        return Basis(self.bv, self.sv)
 
     def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reconstructed deviations (dk, dv), each [KVH, R, D], for one layer."""
-        return (self.uk[layer].to(self.bk.dtype) @ self.bk[layer],
-                self.uv[layer].to(self.bv.dtype) @ self.bv[layer])
+        """Reconstructed deviations (dk, dv), each [KVH, R, D] in fp32, for one layer (shift 0 only)."""
+        return (self.uk[layer].float() @ self.key_basis().at(layer),
+                self.uv[layer].float() @ self.value_basis().at(layer))
 
     def to(self, device: torch.device | str) -> "LowRankDelta":
-        return LowRankDelta(*(t.to(device) for t in (self.rows, self.uk, self.bk, self.uv, self.bv)))
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return LowRankDelta(*(move(t) for t in (self.rows, self.uk, self.bk, self.uv, self.bv, self.sk, self.sv)),
+                            shift=self.shift)
+
+
+@dataclass(frozen=True)
+class Basis:
+    """A B factor [L, KVH, r, D] as read: dequantized by ``scale`` and rotated by cos/sin [D] if given."""
+
+    b: torch.Tensor
+    scale: torch.Tensor | None = None
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def at(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One layer's basis [KVH, r, D] (or all of them for the default slice), in ``dtype``."""
+        x = self.b[layer].float()
+        if self.scale is not None:
+            x = x * self.scale[layer]
+        if self.cos is not None:
+            x = rotate(x, self.cos.to(x.device, torch.float32), self.sin.to(x.device, torch.float32))
+        return x.to(dtype)
 
 
 def _truncated(d: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,14 +136,20 @@ def _truncated(d: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Te
     return u.to(dtype), (u.transpose(-1, -2) @ x).to(dtype)
 
 
-def _quantized(u: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """U [..., R, r] as int8 with one scale per component (column), folded into B [..., r, D] (bf16):
-    (U_q * s) @ B == U_q @ (s * B), so readers only cast U_q; no separate scale tensor to carry."""
-    if u.numel() == 0:
-        return u.to(torch.int8), b.to(torch.bfloat16)
-    scale = u.abs().amax(dim=-2, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0  # [..., 1, r]
-    u_q = torch.round(u / scale).clamp_(-127, 127).to(torch.int8)
-    return u_q, (b * scale.transpose(-1, -2)).to(torch.bfloat16)
+def _int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as int8 with one symmetric scale per slice along ``dim`` (the max magnitude maps to 127)."""
+    scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def _quantized(u: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """U [..., R, r] and B [..., r, D] both in int8, one scale per component: U's scales fold into B
+    before B is quantized ((U_q s) B == U_q (s B)), so one fp32 scale [..., r, 1] per component is
+    left, carried by B. Returns (U_q, B_q, scale)."""
+    u_q, su = _int8(u, dim=-2) if u.numel() else (u.to(torch.int8), u.new_ones(*u.shape[:-2], 1, u.shape[-1]))
+    b_q, sb = _int8(b * su.transpose(-1, -2), dim=-1) if b.numel() else \
+        (b.to(torch.int8), b.new_ones(*b.shape[:-1], 1))
+    return u_q, b_q, sb.float()
 
 
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
@@ -103,8 +157,8 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
     Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
-    factors are stored in ``dtype`` (default: dk's dtype). ``torch.int8`` stores U quantized per
-    component and B in bf16 (see ``_quantized``).
+    factors are stored in ``dtype`` (default: dk's dtype). ``torch.int8`` stores U and B quantized,
+    with one scale per component (see ``_quantized``).
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")
@@ -115,13 +169,14 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     dtype = dtype or dk.dtype
+    rows = rows.to(device=dk.device, dtype=torch.long)
     if dtype == torch.int8:
-        uk, bk = _quantized(*_truncated(dk, rank, torch.float32))
-        uv, bv = _quantized(*_truncated(dv, rank, torch.float32))
-    else:
-        uk, bk = _truncated(dk, rank, dtype)
-        uv, bv = _truncated(dv, rank, dtype)
-    return LowRankDelta(rows.to(device=dk.device, dtype=torch.long), uk, bk, uv, bv)
+        uk, bk, sk = _quantized(*_truncated(dk, rank, torch.float32))
+        uv, bv, sv = _quantized(*_truncated(dv, rank, torch.float32))
+        return LowRankDelta(rows, uk, bk, uv, bv, sk, sv)
+    uk, bk = _truncated(dk, rank, dtype)
+    uv, bv = _truncated(dv, rank, dtype)
+    return LowRankDelta(rows, uk, bk, uv, bv)
 
 
 def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
@@ -140,20 +195,19 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
     for r in rows:
         n = r.numel()
         # Own copies of U rows (not views), so each segment's bytes are its own; B is shared.
-        out.append(LowRankDelta(r.to(device=joint.uk.device, dtype=torch.long),
-                                joint.uk[:, :, offset:offset + n].clone(), joint.bk,
-                                joint.uv[:, :, offset:offset + n].clone(), joint.bv))
+        out.append(replace(joint, rows=r.to(device=joint.uk.device, dtype=torch.long),
+                           uk=joint.uk[:, :, offset:offset + n].clone(), uv=joint.uv[:, :, offset:offset + n].clone()))
         offset += n
     return out
 
 
 def unique_nbytes(deltas: Iterable[LowRankDelta], bases_only: bool = False) -> int:
     """Bytes held by these deltas, counting a tensor shared by several of them (a joint basis) once;
-    ``bases_only`` counts only the B factors."""
+    ``bases_only`` counts only the B factors (with their scales)."""
     seen: set[int] = set()
     total = 0
     for d in deltas:
-        for t in ((d.bk, d.bv) if bases_only else d.tensors()):
+        for t in (d.basis_tensors() if bases_only else d.tensors()):
             if id(t) not in seen:
                 seen.add(id(t))
                 total += t.numel() * t.element_size()
@@ -177,8 +231,9 @@ def captured_energy(d: torch.Tensor, rank: int, reduce: bool = True) -> torch.Te
 def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta:
     """One state equal to applying ``deltas`` one after another.
 
-    Exact by default: rows are the sorted union and ranks concatenate (r = sum of r_i). With ``rank``,
-    the summed deviation is recompressed by SVD instead, which caps the rank at a loss.
+    Exact by default: rows are the sorted union and ranks concatenate (r = sum of r_i; B in fp32). With
+    ``rank``, the summed deviation is recompressed by SVD instead, which caps the rank at a loss. States
+    must not owe a shift (settle them with ``Realigner.settle`` first).
     """
     if not deltas:
         raise ValueError("compose needs at least one delta")
@@ -190,8 +245,8 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
         dk = first.bk.new_zeros(layers, heads, rows.numel(), dim, dtype=torch.float32)
         dv = torch.zeros_like(dk)
         for d, idx in zip(deltas, where):
-            dk.index_add_(2, idx, (d.uk.float() @ d.bk.float()))
-            dv.index_add_(2, idx, (d.uv.float() @ d.bv.float()))
+            dk.index_add_(2, idx, d.uk.float() @ d.key_basis().at())
+            dv.index_add_(2, idx, d.uv.float() @ d.value_basis().at())
         return compress(dk, dv, rows, rank, dtype=first.uk.dtype)
 
     def scatter_u(us: list[torch.Tensor]) -> torch.Tensor:
@@ -204,13 +259,13 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
             col += u.shape[-1]
         return out
 
-    return LowRankDelta(rows, scatter_u([d.uk for d in deltas]), torch.cat([d.bk for d in deltas], dim=2),
-                        scatter_u([d.uv for d in deltas]), torch.cat([d.bv for d in deltas], dim=2))
+    return LowRankDelta(rows, scatter_u([d.uk for d in deltas]), torch.cat([d.key_basis().at() for d in deltas], 2),
+                        scatter_u([d.uv for d in deltas]), torch.cat([d.value_basis().at() for d in deltas], 2))
 
 
 def apply_to(k_ref: torch.Tensor, v_ref: torch.Tensor, deltas: list[LowRankDelta],
              layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Materialize a corrected view: k_ref/v_ref [T, KVH, D] plus each delta's rows at ``layer``.
+    """Materialize a corrected view: k_ref/v_ref [T, KVH, D] plus each delta's rows at ``layer`` (shift 0).
 
     Row sets may differ or overlap; overlapping corrections add. Meant as a test oracle and for small
     cases: attention over a view never needs this copy.

@@ -8,6 +8,7 @@ Because q . R(delta) k == R(-delta) q . k, attention may rotate the query instea
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from .rope import rotate as apply_rope
 
 if TYPE_CHECKING:
-    from .lowrank import LowRankDelta
+    from .lowrank import Basis, LowRankDelta
 
 # Scalings whose frequencies do not depend on the sequence length, so a rotation by delta is exact.
 REALIGNABLE_SCALINGS = ("default", "linear", "llama3", "yarn")
@@ -92,8 +93,18 @@ class Realigner:
     def rotate_delta(self, state: "LowRankDelta", delta: int) -> "LowRankDelta":
         """Move a correction state's key deviation by ``delta`` positions (value factors are unchanged).
 
-        Each corrected key row is U_k[i] @ B_k; rotating every row equals rotating B_k's rows.
+        Each corrected key row is U_k[i] @ B_k, so rotating every row equals rotating B_k's rows. The
+        rotation is recorded as the state's ``shift`` and applied when B_k is read (``key_basis``): the
+        moved state shares every tensor with the original, so a chain holds no rotated copies.
         """
-        from .lowrank import LowRankDelta
-        return LowRankDelta(rows=state.rows, uk=state.uk, bk=self.rotate(state.bk, delta),
-                            uv=state.uv, bv=state.bv)
+        return replace(state, shift=state.shift + delta)
+
+    def key_basis(self, state: "LowRankDelta") -> "Basis":
+        """The state's B_k, dequantized and rotated by its pending shift when read."""
+        return state.key_basis(self.cos_sin(state.shift) if state.shift else None)
+
+    def settle(self, state: "LowRankDelta") -> "LowRankDelta":
+        """A copy with the shift applied (B_k rotated, in fp32) and shift 0: for oracles and ``compose``."""
+        if not state.shift:
+            return state
+        return replace(state, bk=self.key_basis(state).at(), sk=None, shift=0)

@@ -154,19 +154,24 @@ class SegmentStore:
         while self.evict_one():
             pass
 
+    def _held(self) -> list[LowRankDelta]:
+        # Chains hold their predecessors' states (moved by a shift, sharing tensors), and keep them alive
+        # after those corrections are evicted; unique_nbytes counts each tensor once.
+        return [d for c in self._corrections.values() for d in c.chain]
+
     def stats(self) -> SegmentStats:
         s = SegmentStats(homes=len(self._homes), home_tokens=sum(len(k) for k in self._homes),
                          corrections=len(self._corrections), correction_bytes=self.correction_bytes,
-                         basis_bytes=unique_nbytes((c.own for c in self._corrections.values()), bases_only=True),
-                         evicted=self.evicted)
+                         basis_bytes=unique_nbytes(self._held(), bases_only=True), evicted=self.evicted)
         for agent in {c.agent for c in self._corrections.values()}:
             s.by_agent[agent] = unique_nbytes(c.own for c in self._corrections.values() if c.agent == agent)
         return s
 
     @property
     def correction_bytes(self) -> int:
-        """Bytes of all stored correction states; a basis shared by several corrections counts once."""
-        return unique_nbytes(c.own for c in self._corrections.values())
+        """Bytes of all correction states held (own and chained); a tensor shared by several corrections
+        (a joint basis, a predecessor's state in a chain) counts once."""
+        return unique_nbytes(self._held())
 
     @property
     def home_blocks(self) -> set[int]:

@@ -63,7 +63,8 @@ def _piece_scores(qg: torch.Tensor, q: torch.Tensor, piece: Piece, k_cache: torc
     if isinstance(piece, SegmentPiece):
         for d in piece.deltas:
             # (q . B_k^T) . U_k^T: rank-r work per query instead of one dot per corrected row.
-            qb = qg @ d.bk[layer].float().unsqueeze(1).transpose(-1, -2)       # [KVH, G, Tq, r]
+            bk = (realigner.key_basis(d) if d.shift else d.key_basis()).at(layer)
+            qb = qg @ bk.unsqueeze(1).transpose(-1, -2)                         # [KVH, G, Tq, r]
             corr = qb @ d.uk[layer].float().unsqueeze(1).transpose(-1, -2)    # [KVH, G, Tq, R]
             scores.index_add_(-1, d.rows, corr)
     return scores
@@ -76,7 +77,7 @@ def _piece_output(p: torch.Tensor, piece: Piece, v_cache: torch.Tensor, layer: i
     if isinstance(piece, SegmentPiece):
         for d in piece.deltas:
             pu = p.index_select(-1, d.rows) @ d.uv[layer].float().unsqueeze(1)   # [KVH, G, Tq, r]
-            out = out + pu @ d.bv[layer].float().unsqueeze(1)
+            out = out + pu @ d.value_basis().at(layer).unsqueeze(1)
     return out
 
 

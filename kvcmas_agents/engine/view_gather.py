@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .attention import grouped_attention, sdpa
+from .lowrank import Basis
 from .realign import Realigner
 from .rope import rotate
 from .view_attention import SegmentPiece
@@ -23,9 +24,10 @@ class GatheredView:
     slots: torch.Tensor                          # [N] store slots of all keys, in position order
     cos: torch.Tensor                            # [M, 1, D]: rows [0, M) are rotated (identity where not reused)
     sin: torch.Tensor
-    # (U_k, B_k, U_v, B_v): the corrections that share one basis, their U factors listed (U [L, KVH, R_i, r]
-    # each) so that each layer needs one product per basis; ``rows`` [R] are their key rows, group by group.
-    corrections: list[tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], torch.Tensor]]
+    # (U_k, B_k, U_v, B_v): the corrections that share one basis (and shift), their U factors listed
+    # (U [L, KVH, R_i, r] each) so that each layer needs one product per basis; ``rows`` [R] are their key
+    # rows, group by group.
+    corrections: list[tuple[list[torch.Tensor], Basis, list[torch.Tensor], Basis]]
     rows: torch.Tensor
 
     def extend(self, slots: torch.Tensor) -> "GatheredView":
@@ -45,7 +47,8 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
                 rotations.append((offset, n, *realigner.cos_sin(p.delta, device, dtype)))
             for d in p.deltas:
                 if d.num_rows:
-                    rows, uks, _, uvs, _ = groups.setdefault((id(d.bk), id(d.bv)), ([], [], d.bk, [], d.bv))
+                    rows, uks, _, uvs, _ = groups.setdefault((id(d.bk), id(d.bv), d.shift), (
+                        [], [], realigner.key_basis(d), [], d.value_basis()))
                     rows.append(d.rows.to(device) + offset)
                     uks.append(d.uk)
                     uvs.append(d.uv)
@@ -60,9 +63,9 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
     return GatheredView(torch.cat(slots).to(device), cos, sin, corrections, rows.to(device))
 
 
-def _dense(us: list[torch.Tensor], b: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
+def _dense(us: list[torch.Tensor], b: Basis, layer: int, dtype: torch.dtype) -> torch.Tensor:
     u = us[0][layer] if len(us) == 1 else torch.cat([x[layer] for x in us], dim=1)
-    return (u.to(dtype) @ b[layer].to(dtype)).transpose(0, 1)          # [R, KVH, D]
+    return (u.to(dtype) @ b.at(layer, dtype)).transpose(0, 1)          # [R, KVH, D]
 
 
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -109,7 +112,7 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
         uk, uv = (us[0][layer] if len(us) == 1 else torch.cat([u[layer] for u in us], dim=1) for us in (uks, uvs))
         rows = view.rows[offset:offset + uk.shape[1]]
         offset += uk.shape[1]
-        qb = qg @ bk[layer].to(q.dtype).transpose(-1, -2)              # [KVH, G*n, r]
+        qb = qg @ bk.at(layer, q.dtype).transpose(-1, -2)               # [KVH, G*n, r]
         scores.index_add_(-1, rows, qb @ uk.to(q.dtype).transpose(-1, -2))
         parts.append((rows, uv, bv))
     scores = (scores * scale).view(kvh, g, n, ctx)
@@ -119,7 +122,7 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
     probs = torch.softmax(scores, dim=-1).view(kvh, g * n, ctx)
     out = probs @ v.transpose(0, 1)                                     # [KVH, G*n, D]
     for rows, uv, bv in parts:
-        out += (probs.index_select(-1, rows) @ uv.to(q.dtype)) @ bv[layer].to(q.dtype)
+        out += (probs.index_select(-1, rows) @ uv.to(q.dtype)) @ bv.at(layer, q.dtype)
     return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 

@@ -3,8 +3,8 @@
 Pieces become *runs*: a reused segment with corrections is a run of its own; consecutive pieces with
 the same delta and no corrections (own rows, naive reuse) share one. Each run is padded to whole key
 tiles, so a tile has one query rotation and one correction chain. Correction factors of all runs are
-stacked, zero-padded to one rank, once per step; the view itself is never materialized. Triton is
-imported only when a descriptor is built or used.
+stacked, zero-padded to one rank and dequantized/rotated to fp32, once per step; the view itself is
+never materialized. Triton is imported only when a descriptor is built or used.
 """
 from __future__ import annotations
 
@@ -107,8 +107,8 @@ def pack_view(pieces: list, realigner: Realigner, device: torch.device, block_n:
         rank_pad = max(16, 1 << (max(d.rank for d in corrections) - 1).bit_length())
         uk = torch.cat([_pad_rank(d.uk, 3, rank_pad) for d in corrections], dim=2).to(device)
         uv = torch.cat([_pad_rank(d.uv, 3, rank_pad) for d in corrections], dim=2).to(device)
-        bk = torch.stack([_pad_rank(d.bk, 2, rank_pad) for d in corrections]).to(device)
-        bv = torch.stack([_pad_rank(d.bv, 2, rank_pad) for d in corrections]).to(device)
+        bk = torch.stack([_pad_rank(realigner.key_basis(d).at(), 2, rank_pad) for d in corrections]).to(device)
+        bv = torch.stack([_pad_rank(d.value_basis().at(), 2, rank_pad) for d in corrections]).to(device)
     else:
         uk = uv = torch.zeros(1, 1, 0, 16, device=device)
         bk = bv = torch.zeros(0, 1, 1, 16, head_dim, device=device)

@@ -6,6 +6,7 @@ import torch
 
 from kvcmas_agents import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.engine import ReuseOptions
+from kvcmas_agents.engine.lowrank import unique_nbytes
 from kvcmas_agents.fidelity import CSV_SYSTEM as SYSTEM
 from kvcmas_agents.fidelity import CSV_TASK as TASK
 from kvcmas_agents.fidelity import kl
@@ -218,8 +219,8 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
 
 
 async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine):
-    """The default correction_dtype keeps U in int8 (B in bf16, carrying U's scales): a quarter of fp32's
-    bytes for U; the first-token distribution moves far less than the correction itself moves it."""
+    """The default correction_dtype keeps U and B in int8 (B with one fp32 scale per component): about a
+    quarter of fp32's bytes; the first-token distribution moves far less than the correction moves it."""
     history = await conversation(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
@@ -234,11 +235,13 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
         finally:
             eng.close()
     assert {s.uk.dtype for s in states["int8"]} == {torch.int8}
-    assert {s.bk.dtype for s in states["int8"]} == {torch.bfloat16}
+    assert {s.bk.dtype for s in states["int8"]} == {torch.int8}
     assert {s.uk.dtype for s in states["bfloat16"]} == {torch.bfloat16}
     assert {s.uk.dtype for s in states["float32"]} == {torch.float32}
     u_bytes = {d: sum(s.uk.nbytes + s.uv.nbytes for s in states[d]) for d in states}
     assert u_bytes["int8"] * 4 == u_bytes["bfloat16"] * 2 == u_bytes["float32"]
+    b_bytes = {d: unique_nbytes(states[d], bases_only=True) for d in states}
+    assert b_bytes["int8"] < 0.3 * b_bytes["float32"] and b_bytes["bfloat16"] * 2 == b_bytes["float32"]
     naive = await engine.generate(prompt("coder", history), agent="c-naive", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="naive"))
     moved = kl(outs["float32"].logits[0], naive.logits[0])

@@ -174,20 +174,26 @@ def test_joint_basis_is_shared_reconstructs_at_full_rank_and_is_counted_once():
         compress_joint([], [], [], rank=2)
 
 
-def test_int8_factors_quantize_u_per_component_and_fold_the_scale_into_b():
-    """int8 storage: U in one byte per entry, B in bf16 carrying each component's scale, so U_q @ B
-    reconstructs the float factors to within half a quantization step per component."""
+def test_int8_factors_quantize_u_and_b_per_component_with_one_scale():
+    """int8 storage: U and B in one byte per entry; U's per-component scales fold into B before B is
+    quantized, so one fp32 scale per component is left, and U_q @ (s * B_q) reconstructs the float
+    factors to within the rounding of both."""
     dk, dv = _devs(40, seed=3)
     rows = torch.arange(40)
     ref = compress(dk, dv, rows, rank=8, dtype=torch.float32)
     q = compress(dk, dv, rows, rank=8, dtype=torch.int8)
-    assert q.uk.dtype == q.uv.dtype == torch.int8 and q.bk.dtype == q.bv.dtype == torch.bfloat16
+    assert {t.dtype for t in (q.uk, q.uv, q.bk, q.bv)} == {torch.int8}
+    assert q.sk.shape == q.sv.shape == (L, KVH, 8, 1) and q.sk.dtype == torch.float32
     assert q.uk.abs().amax(dim=-2).min() == 127          # every component uses the full int8 range
-    assert q.nbytes == rows.nbytes + 2 * (q.uk.numel() + 2 * q.bk.numel())
+    assert q.bk.abs().amax(dim=-1).min() == 127
+    assert q.nbytes == rows.nbytes + 2 * (q.uk.numel() + q.bk.numel() + 4 * q.sk.numel())
+    assert unique_nbytes([q], bases_only=True) == 2 * (q.bk.numel() + 4 * q.sk.numel())
     for layer in range(L):
         for got, want in zip(q.dense(layer), ref.dense(layer)):
             err = (got.float() - want).norm() / want.norm()
             assert 0 < err < 0.02
+    with pytest.raises(ValueError, match="scales"):
+        LowRankDelta(q.rows, q.uk, q.bk, q.uv, q.bv)      # int8 B without its scales
     # Composing int8 states at a capped rank stays int8; empty rows still work.
     assert compose([q, q], rank=4).uk.dtype == torch.int8
     empty = compress(dk[:, :, :0], dv[:, :, :0], torch.zeros(0, dtype=torch.long), rank=8, dtype=torch.int8)

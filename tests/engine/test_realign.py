@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcmas_agents.engine.loader import load_model
-from kvcmas_agents.engine.lowrank import LowRankDelta
+from kvcmas_agents.engine.lowrank import compress
 from kvcmas_agents.engine.model import LlamaModel
 from kvcmas_agents.engine.realign import Realigner, refuses
 from kvcmas_agents.engine.rope import RotaryEmbedding, inv_frequencies, rotate
@@ -114,21 +114,28 @@ def test_bf16_keys_keep_dtype():
         realigner.rotate_keys(torch.randn(3, 2, HEAD_DIM // 2), 1)
 
 
-def test_rotate_delta_rotates_reconstructed_key_rows():
+@pytest.mark.parametrize("int8", [False, True])
+def test_rotate_delta_rotates_reconstructed_key_rows_without_a_copy(int8):
     torch.manual_seed(0)
     inv, _ = inv_frequencies(HEAD_DIM, 10000.0, None, 4096)
     realigner = Realigner(inv.float())
-    layers, heads, nrows, rank = 2, 3, 5, 4
-    state = LowRankDelta(torch.tensor([0, 2, 3, 7, 9]), torch.randn(layers, heads, nrows, rank),
-                         torch.randn(layers, heads, rank, HEAD_DIM), torch.randn(layers, heads, nrows, rank),
-                         torch.randn(layers, heads, rank, HEAD_DIM))
-    moved = realigner.rotate_delta(state, 42)
+    layers, heads, nrows = 2, 3, 5
+    devs = torch.randn(layers, heads, nrows, HEAD_DIM), torch.randn(layers, heads, nrows, HEAD_DIM)
+    state = compress(*devs, torch.tensor([0, 2, 3, 7, 9]), rank=4, dtype=torch.int8 if int8 else None)
+    moved = realigner.rotate_delta(realigner.rotate_delta(state, 40), 2)
+    assert moved.shift == 42 and moved.bk is state.bk and moved.sk is state.sk    # shared, not copied
+    with pytest.raises(ValueError, match="owe a rotation"):
+        moved.dense(0)
+    settled = realigner.settle(moved)
+    assert settled.shift == 0 and settled.sk is None
     for layer in range(layers):
         dk, dv = state.dense(layer)
-        mk, mv = moved.dense(layer)
+        mk, mv = settled.dense(layer)
         torch.testing.assert_close(mk, realigner.rotate_keys(dk, 42), rtol=0, atol=1e-4)
         torch.testing.assert_close(mv, dv)
-    assert not torch.allclose(moved.bk, state.bk)
+        torch.testing.assert_close(realigner.key_basis(moved).at(layer), settled.bk[layer])
+    assert not torch.allclose(settled.bk, state.key_basis().at())
+    assert realigner.settle(state) is state
 
 
 @pytest.mark.parametrize("scaling,ok", [

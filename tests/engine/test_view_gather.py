@@ -21,14 +21,15 @@ def test_gather_path_matches_view_attention(head_dim, group, kv_heads, rank, tq)
     inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
     realigner = Realigner(inv.float())
     perm = torch.randperm(slots_total)
-    # own prefix [0,10), segment A [10,40) delta 7 with a chain of 2, segment B [40,60) delta -3 naive,
-    # own tail [60, 60 + tq).
+    # own prefix [0,10), segment A [10,40) delta 7 with a chain of 2 (an int8 state, then a state moved by
+    # a pending shift), segment B [40,60) delta -3 naive, own tail [60, 60 + tq).
     def seg(start, n, delta, ndeltas):
         deltas = []
         for i in range(ndeltas):
             rows = torch.sort(torch.randperm(n)[: n // 3]).values
             dk = torch.randn(layers, kv_heads, rows.numel(), head_dim) * 0.1
-            deltas.append(compress(dk, dk.flip(-1), rows, rank))
+            state = compress(dk, dk.flip(-1), rows, rank, dtype=torch.int8 if i == 0 else None)
+            deltas.append(realigner.rotate_delta(state, 11) if i == 1 else state)
         return SegmentPiece(perm[100 + start:100 + start + n], torch.arange(start, start + n), delta, deltas)
     pieces = [OwnPiece(perm[:10], torch.arange(10)), seg(10, 30, 7, 2), seg(40, 20, -3, 0),
               OwnPiece(perm[60:60 + tq], torch.arange(60, 60 + tq))]
@@ -39,6 +40,11 @@ def test_gather_path_matches_view_attention(head_dim, group, kv_heads, rank, tq)
                              realigner)
         out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
         assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+        settled = [SegmentPiece(p.slots, p.positions, p.delta, [realigner.settle(d) for d in p.deltas])
+                   if isinstance(p, SegmentPiece) else p for p in pieces]      # shifts applied eagerly
+        eager = view_attention(q, torch.arange(60, 60 + tq), settled, k_cache, v_cache, layer, head_dim ** -0.5,
+                               realigner)
+        assert torch.allclose(ref, eager, atol=1e-5), (ref - eager).abs().max()
     # Not vacuous: without realignment the result differs.
     plain = build_view([OwnPiece(p.slots, p.positions) for p in pieces], realigner, torch.device("cpu"),
                        torch.float32)

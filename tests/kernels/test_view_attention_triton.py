@@ -101,10 +101,15 @@ def test_split_kv_decode_matches_oracle():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_factors_match_oracle(dtype):
-    """The engine's default correction storage: U in int8 (scales folded into a bf16 B)."""
-    args = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=11, factors=torch.int8)
-    assert args[2][1].deltas[0].uk.dtype == torch.int8
-    _check(args, dtype, 16)
+    """The engine's default correction storage: U and B in int8 (B with per-component scales); the chain's
+    first state owes a pending shift, as a predecessor's state moved into this view does."""
+    q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=11,
+                                                        factors=torch.int8)
+    seg = pieces[1]
+    assert seg.deltas[0].uk.dtype == seg.deltas[0].bk.dtype == torch.int8
+    pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
+                             [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
+    _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
 
 
 def test_corrections_and_realignment_matter():
