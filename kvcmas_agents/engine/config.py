@@ -57,6 +57,11 @@ class EngineConfig:
         quarter of fp32's bytes), "bfloat16", "float16",
         "float32", or "kv" (the KV cache's dtype). recompute_ratio=1.0 keeps the exact
         deviation in the KV dtype whatever this says.
+    correction_energy: share of a correcting request's squared deviation (summed over K and V, layers
+        and heads) that its stored corrections keep: recomputed rows are stored strongest first until
+        they hold it, and the faint rest (often whole segments already close under the chained
+        reference) revert to the reference; stats()["correction_rows_dropped"] counts them. 1.0 keeps
+        every row; recompute_ratio=1.0 keeps every row whatever this says.
     kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.
     block_size: tokens per KV block.
     max_batch_tokens: tokens one forward step may process (long prompts are chunked).
@@ -85,6 +90,7 @@ class EngineConfig:
     recompute_newest: bool = True
     basis: str = "request"
     correction_dtype: str = "int8"
+    correction_energy: float = 0.98
     # attention over corrected views: "auto" (Triton kernel on CUDA, else "gather"), "gather" (torch,
     # gathered keys + SDPA), "query" (torch view_attention), "triton" (the kernel; TRITON_INTERPRET on CPU)
     view_path: str = "auto"
@@ -104,6 +110,8 @@ class EngineConfig:
             raise ValueError("block_size, max_batch_tokens and max_num_seqs must be positive")
         if not 0.0 <= self.prefetch_ratio <= 1.0:
             raise ValueError(f"prefetch_ratio must be in [0, 1], got {self.prefetch_ratio}")
+        if not 0.0 < self.correction_energy <= 1.0:
+            raise ValueError(f"correction_energy must be in (0, 1], got {self.correction_energy}")
         if self.correction_dtype not in CORRECTION_DTYPES:
             raise ValueError(f"correction_dtype must be one of {CORRECTION_DTYPES}, got {self.correction_dtype!r}")
         if self.basis not in BASES:

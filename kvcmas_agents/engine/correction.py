@@ -23,7 +23,7 @@ from .cacheblend import CacheBlend
 from .config import CROSS_AGENT_MODES, PRIVATE_COPY_MODES
 from .kv_store import KVStore
 from .kvcomm import KVComm
-from .lowrank import LowRankDelta, compress, compress_joint
+from .lowrank import LowRankDelta, compress, compress_joint, strongest_rows
 from .model import LlamaModel
 from .realign import Realigner
 from .request import Request, ReusePiece
@@ -48,6 +48,8 @@ class Corrector:
         self.joint_basis = True        # one basis for a request's corrections (EngineConfig.basis)
         self.state_dtype: torch.dtype | None = None    # factors' storage dtype (None: the KV dtype)
         self.newest_whole = True       # EngineConfig.recompute_newest
+        self.keep_energy = 1.0         # EngineConfig.correction_energy
+        self.rows_dropped = 0          # recomputed rows whose deviation was too faint to store
         self.baselines = {"cacheblend": CacheBlend(self), "kvcomm": KVComm(self, self.anchors)}
 
     # --- planning (at admission) ---------------------------------------------------------------
@@ -302,13 +304,19 @@ class Corrector:
         dk = [torch.stack(dks[id(p)]) for p in pending]                 # [L, KVH, R_i, D] each
         dv = [torch.stack(dvs[id(p)]) for p in pending]
         rows_of = [sel[id(p)] for p in pending]
+        if not full and self.keep_energy < 1.0:
+            masks = strongest_rows(dk, dv, self.keep_energy)
+            self.rows_dropped += sum(int((~mk).sum()) for mk in masks)
+            dk = [x[:, :, mk] for x, mk in zip(dk, masks)]
+            dv = [x[:, :, mk] for x, mk in zip(dv, masks)]
+            rows_of = [r[mk.to(r.device)] for r, mk in zip(rows_of, masks)]
         dtype = None if full else self.state_dtype
         if self.joint_basis and len(pending) > 1 and not full:
             states = compress_joint(dk, dv, rows_of, rank, dtype)
         else:
             states = [compress(k, v, r, rank, dtype) for k, v, r in zip(dk, dv, rows_of)]
-        for p, state, r in zip(pending, states, rows_of):
-            self._store(req, p, state, r.numel())
+        for p, state in zip(pending, states):
+            self._store(req, p, state, sel[id(p)].numel())     # recomputed, whether stored or not
 
     def _store(self, req: Request, p: ReusePiece, own: LowRankDelta, recomputed: int) -> None:
         ref = "home" if not p.chain else "chain"

@@ -67,6 +67,7 @@ class Engine:
         self.scheduler.corrector = self.corrector
         self.corrector.joint_basis = self.config.basis == "request"
         self.corrector.newest_whole = self.config.recompute_newest
+        self.corrector.keep_energy = self.config.correction_energy
         if self.config.correction_dtype != "kv":
             self.corrector.state_dtype = getattr(torch, self.config.correction_dtype)
         self.prefetcher = (Prefetcher(self.scheduler, self.corrector, self.successors, self.config.prefetch_ratio)
@@ -207,6 +208,7 @@ class Engine:
             "home_views": seg.homes, "home_view_tokens": seg.home_tokens, "home_view_bytes": home_bytes,
             "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
             "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent, "home_views_evicted": seg.evicted,
+            "correction_energy": self.config.correction_energy, "correction_rows_dropped": self.corrector.rows_dropped,
             "blend_ratio": self.config.blend_ratio, "kvcomm_anchors": self.config.kvcomm_anchors,
             "kvcomm_threshold": self.config.kvcomm_threshold,
             "anchors": anchors.anchors, "anchor_bytes": anchors.anchor_bytes,

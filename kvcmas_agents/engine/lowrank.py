@@ -201,6 +201,22 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
     return out
 
 
+def strongest_rows(dks: list[torch.Tensor], dvs: list[torch.Tensor], keep: float) -> list[torch.Tensor]:
+    """Boolean masks [R_i] over several segments' rows (deviations [L, KVH, R_i, D] each): the fewest
+    rows, strongest first, that hold at least ``keep`` of the summed squared deviation (K and V, all
+    layers and heads). A row outside them deviates little from its reference, so storing it costs U
+    bytes for almost no correction; ``keep`` >= 1 keeps every row."""
+    energy = [(k.float() ** 2).sum((0, 1, 3)) + (v.float() ** 2).sum((0, 1, 3)) for k, v in zip(dks, dvs)]
+    if keep >= 1.0 or not energy:
+        return [torch.ones_like(e, dtype=torch.bool) for e in energy]
+    flat = torch.cat(energy)
+    order = flat.argsort(descending=True)
+    before = flat[order].cumsum(0) - flat[order]          # energy of the stronger rows
+    chosen = torch.zeros_like(flat, dtype=torch.bool)
+    chosen[order[before < keep * flat.sum()]] = True
+    return list(chosen.split([e.numel() for e in energy]))
+
+
 def unique_nbytes(deltas: Iterable[LowRankDelta], bases_only: bool = False) -> int:
     """Bytes held by these deltas, counting a tensor shared by several of them (a joint basis) once;
     ``bases_only`` counts only the B factors (with their scales)."""

@@ -291,3 +291,33 @@ async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole()
         assert 0 < task[2] < task[3] / 2                                      # the task, at the ratio
     finally:
         await ours.aclose()
+
+
+async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine):
+    """correction_energy (default 0.98) stores the strongest recomputed rows only; the rest are dropped
+    and counted, recomputed_tokens still says what was recomputed, and an agent reusing its stored
+    corrections next turn stays much closer to exact than naive."""
+    history = await conversation(engine, turns=2)
+    later = history + [{"role": "user", "content": "[reviewer] Please also handle quoted fields."}]
+    opts = ReuseOptions(reuse="kvcmas")
+    stats, outs = {}, {}
+    for energy in (1.0, 0.98):
+        eng = Engine(EngineConfig(reuse="kvcmas", correction_energy=energy, prefetch=False))
+        assert (energy == 0.98) == (EngineConfig().correction_energy == energy)
+        try:
+            await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
+            first = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
+            again = await eng.generate(prompt("coder", later), agent="c", sampling=FIRST, reuse_options=opts)
+            stats[energy], outs[energy] = eng.stats(), (first, again)
+            if energy < 1.0:
+                await assert_closer_than_naive(engine, eng, prompt("coder", later), again)
+        finally:
+            eng.close()
+    assert stats[1.0]["correction_rows_dropped"] == 0 < stats[0.98]["correction_rows_dropped"]
+    assert stats[0.98]["correction_bytes"] < stats[1.0]["correction_bytes"]
+    assert outs[0.98][0].usage.recomputed_tokens == outs[1.0][0].usage.recomputed_tokens > 0
+    exact = await engine.generate(prompt("coder", later), agent="exact", sampling=FIRST,
+                                  reuse_options=ReuseOptions(reuse="none"))
+    assert kl(exact.logits[0], outs[0.98][1].logits[0]) < 0.01
+    with pytest.raises(ValueError, match="correction_energy"):
+        EngineConfig(correction_energy=0.0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcmas_agents.engine.lowrank import (LowRankDelta, apply_to, captured_energy, compose, compress, compress_joint,
-                                          unique_nbytes)
+                                          strongest_rows, unique_nbytes)
 
 L, KVH, D = 3, 2, 16
 
@@ -198,3 +198,18 @@ def test_int8_factors_quantize_u_and_b_per_component_with_one_scale():
     assert compose([q, q], rank=4).uk.dtype == torch.int8
     empty = compress(dk[:, :, :0], dv[:, :, :0], torch.zeros(0, dtype=torch.long), rank=8, dtype=torch.int8)
     assert empty.num_rows == 0 and empty.uk.dtype == torch.int8
+
+
+def test_strongest_rows_keep_the_requested_energy_with_the_fewest_rows():
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(L, KVH, 6, D, generator=g), 0.01 * torch.randn(L, KVH, 4, D, generator=g)
+    a[:, :, [1, 4]] *= 10                                   # two strong rows in the first segment
+    energy = 2 * torch.cat([(a ** 2).sum((0, 1, 3)), (b ** 2).sum((0, 1, 3))])
+    for keep in (0.5, 0.9, 0.99, 0.9999):
+        kept = torch.cat(strongest_rows([a, b], [a.clone(), b.clone()], keep))
+        assert energy[kept].sum() >= keep * energy.sum()
+        assert energy[kept].sum() - energy[kept].min() < keep * energy.sum()      # no row to spare
+        assert energy[kept].min() >= energy[~kept].max() if (~kept).any() else True
+    masks = strongest_rows([a, b], [a, b], 0.9)
+    assert masks[0].tolist() == [False, True, False, False, True, False] and not masks[1].any()
+    assert all(m.all() for m in strongest_rows([a, b], [a, b], 1.0))
