@@ -41,16 +41,17 @@ def memory_table(name: str, entry: dict[str, Any]) -> str:
     """Where each method's peak memory sits (engine accounting; CUDA allocator when on a GPU)."""
     cuda = any("cuda_peak_over_pool_bytes" in m["memory"] for m in entry["methods"].values())
     head = ("| method | KV blocks peak MiB | home views MiB | corrections MiB (of which bases) | anchors MiB | anchor hits / misses | "
-            "ahead-of-time corrections |" + (" CUDA peak over pool |" if cuda else ""))
-    lines = [head, "|---" * (7 + cuda) + "|"]
+            "ahead-of-time corrections | faint rows not stored |" + (" CUDA peak over pool |" if cuda else ""))
+    lines = [head, "|---" * (8 + cuda) + "|"]
     for m in entry["methods"].values():
         mem, eng = m["memory"], m.get("engine", {})
         pf = eng.get("prefetch") or {}
         hits = f"{eng.get('anchor_hits') or 0} / {eng.get('anchor_misses') or 0}" if m["reuse"] == "kvcomm" else "-"
         ahead = f"{pf.get('corrections', 0)} ({pf.get('recomputed_tokens', 0)} tok)" if pf and m["reuse"] == "kvcmas" else "-"
+        dropped = eng.get("correction_rows_dropped") if m["reuse"] == "kvcmas" else None
         row = (f"| {m['label']} | {mem['kv_bytes_peak'] / MIB:.1f} | {mem['home_view_bytes'] / MIB:.1f} | "
                f"{mem['correction_bytes'] / MIB:.1f} ({mem.get('correction_basis_bytes', 0) / MIB:.1f}) | "
-               f"{mem['anchor_bytes'] / MIB:.1f} | {hits} | {ahead} |")
+               f"{mem['anchor_bytes'] / MIB:.1f} | {hits} | {ahead} | {'-' if dropped is None else dropped} |")
         if cuda:
             row += f" {mem.get('cuda_peak_over_pool_bytes', 0) / MIB:.1f} |"
         lines.append(row)

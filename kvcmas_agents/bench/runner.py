@@ -96,7 +96,7 @@ class _Bench:
                 memory["cuda_peak_over_pool_bytes"] = int(torch.cuda.max_memory_allocated() - base)
             served = sorted({t.served for t in turns})
             engine_stats = {k: stats.get(k) for k in ("anchors", "anchor_hits", "anchor_misses", "corrections",
-                                                      "home_views", "prefetch")}
+                                                      "correction_rows_dropped", "home_views", "prefetch")}
         finally:
             await engine.aclose()
         return {"method": method.name, "label": method.label, "reuse": method.reuse, "knobs": asdict(method),

@@ -47,6 +47,7 @@ class Corrector:
         self.anchors = anchors if anchors is not None else AnchorPool()
         self.joint_basis = True        # one basis for a request's corrections (EngineConfig.basis)
         self.state_dtype: torch.dtype | None = None    # factors' storage dtype (None: the KV dtype)
+        self.int8_basis = False        # correction_dtype "int8_basis": B in int8 too
         self.newest_whole = True       # EngineConfig.recompute_newest
         self.keep_energy = 1.0         # EngineConfig.correction_energy
         self.rows_dropped = 0          # recomputed rows whose deviation was too faint to store
@@ -312,9 +313,9 @@ class Corrector:
             rows_of = [r[mk.to(r.device)] for r, mk in zip(rows_of, masks)]
         dtype = None if full else self.state_dtype
         if self.joint_basis and len(pending) > 1 and not full:
-            states = compress_joint(dk, dv, rows_of, rank, dtype)
+            states = compress_joint(dk, dv, rows_of, rank, dtype, self.int8_basis)
         else:
-            states = [compress(k, v, r, rank, dtype) for k, v, r in zip(dk, dv, rows_of)]
+            states = [compress(k, v, r, rank, dtype, self.int8_basis) for k, v, r in zip(dk, dv, rows_of)]
         for p, state in zip(pending, states):
             self._store(req, p, state, sel[id(p)].numel())     # recomputed, whether stored or not
 

@@ -69,7 +69,8 @@ class Engine:
         self.corrector.newest_whole = self.config.recompute_newest
         self.corrector.keep_energy = self.config.correction_energy
         if self.config.correction_dtype != "kv":
-            self.corrector.state_dtype = getattr(torch, self.config.correction_dtype)
+            self.corrector.state_dtype = getattr(torch, self.config.correction_dtype.removesuffix("_basis"))
+        self.corrector.int8_basis = self.config.correction_dtype == "int8_basis"
         self.prefetcher = (Prefetcher(self.scheduler, self.corrector, self.successors, self.config.prefetch_ratio)
                            if self.config.prefetch else None)
         self.runner = ModelRunner(self.model, self.store, self.corrector, self.config.view_path)

@@ -142,23 +142,26 @@ def _int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
 
 
-def _quantized(u: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """U [..., R, r] and B [..., r, D] both in int8, one scale per component: U's scales fold into B
-    before B is quantized ((U_q s) B == U_q (s B)), so one fp32 scale [..., r, 1] per component is
-    left, carried by B. Returns (U_q, B_q, scale)."""
+def _quantized(u: torch.Tensor, b: torch.Tensor,
+               int8_basis: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """U [..., R, r] in int8 with one scale per component, folded into B ((U_q s) B == U_q (s B)).
+    B stays bf16 (no scale left), or with ``int8_basis`` is quantized too, leaving one fp32 scale
+    [..., r, 1] per component. Returns (U_q, B, B's scale or None)."""
     u_q, su = _int8(u, dim=-2) if u.numel() else (u.to(torch.int8), u.new_ones(*u.shape[:-2], 1, u.shape[-1]))
-    b_q, sb = _int8(b * su.transpose(-1, -2), dim=-1) if b.numel() else \
-        (b.to(torch.int8), b.new_ones(*b.shape[:-1], 1))
+    b = b * su.transpose(-1, -2)
+    if not int8_basis:
+        return u_q, b.to(torch.bfloat16), None
+    b_q, sb = _int8(b, dim=-1) if b.numel() else (b.to(torch.int8), b.new_ones(*b.shape[:-1], 1))
     return u_q, b_q, sb.float()
 
 
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
-             dtype: torch.dtype | None = None) -> LowRankDelta:
+             dtype: torch.dtype | None = None, int8_basis: bool = False) -> LowRankDelta:
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
     Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
-    factors are stored in ``dtype`` (default: dk's dtype). ``torch.int8`` stores U and B quantized,
-    with one scale per component (see ``_quantized``).
+    factors are stored in ``dtype`` (default: dk's dtype). ``torch.int8`` stores U quantized per
+    component with B in bf16, or B in int8 too with ``int8_basis`` (see ``_quantized``).
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")
@@ -171,8 +174,8 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     dtype = dtype or dk.dtype
     rows = rows.to(device=dk.device, dtype=torch.long)
     if dtype == torch.int8:
-        uk, bk, sk = _quantized(*_truncated(dk, rank, torch.float32))
-        uv, bv, sv = _quantized(*_truncated(dv, rank, torch.float32))
+        uk, bk, sk = _quantized(*_truncated(dk, rank, torch.float32), int8_basis)
+        uv, bv, sv = _quantized(*_truncated(dv, rank, torch.float32), int8_basis)
         return LowRankDelta(rows, uk, bk, uv, bv, sk, sv)
     uk, bk = _truncated(dk, rank, dtype)
     uv, bv = _truncated(dv, rank, dtype)
@@ -180,7 +183,7 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
 
 
 def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
-                   dtype: torch.dtype | None = None) -> list[LowRankDelta]:
+                   dtype: torch.dtype | None = None, int8_basis: bool = False) -> list[LowRankDelta]:
     """Compress several segments' deviations (each [L, KVH, R_i, D]) against one shared basis.
 
     The segments an agent corrects in one request deviate for the same reason (its own prefix), so
@@ -190,7 +193,7 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
     if not (len(dks) == len(dvs) == len(rows)) or not dks:
         raise ValueError("compress_joint needs one dk, dv and rows per segment")
     dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
-    joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype)  # rows split below
+    joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype, int8_basis)  # split below
     out, offset = [], 0
     for r in rows:
         n = r.numel()
@@ -263,7 +266,7 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
         for d, idx in zip(deltas, where):
             dk.index_add_(2, idx, d.uk.float() @ d.key_basis().at())
             dv.index_add_(2, idx, d.uv.float() @ d.value_basis().at())
-        return compress(dk, dv, rows, rank, dtype=first.uk.dtype)
+        return compress(dk, dv, rows, rank, dtype=first.uk.dtype, int8_basis=first.sk is not None)
 
     def scatter_u(us: list[torch.Tensor]) -> torch.Tensor:
         # Each delta's U gets its own rank columns; rows it does not correct stay zero.

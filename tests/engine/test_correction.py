@@ -219,12 +219,12 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
 
 
 async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine):
-    """The default correction_dtype keeps U and B in int8 (B with one fp32 scale per component): about a
-    quarter of fp32's bytes; the first-token distribution moves far less than the correction moves it."""
+    """The default correction_dtype keeps U in int8 (B in bf16, carrying U's scales), "int8_basis" B in
+    int8 too; the first-token distribution moves far less than the correction itself moves it."""
     history = await conversation(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
-    for dtype in ("int8", "bfloat16", "float32"):
+    for dtype in ("int8", "int8_basis", "bfloat16", "float32"):
         eng = Engine(EngineConfig(reuse="kvcmas", correction_dtype=dtype, prefetch=False))
         assert (dtype == "int8") == (EngineConfig().correction_dtype == dtype)
         try:
@@ -235,17 +235,19 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
         finally:
             eng.close()
     assert {s.uk.dtype for s in states["int8"]} == {torch.int8}
-    assert {s.bk.dtype for s in states["int8"]} == {torch.int8}
+    assert {s.bk.dtype for s in states["int8"]} == {torch.bfloat16}
+    assert {s.uk.dtype for s in states["int8_basis"]} == {s.bk.dtype for s in states["int8_basis"]} == {torch.int8}
     assert {s.uk.dtype for s in states["bfloat16"]} == {torch.bfloat16}
     assert {s.uk.dtype for s in states["float32"]} == {torch.float32}
     u_bytes = {d: sum(s.uk.nbytes + s.uv.nbytes for s in states[d]) for d in states}
     assert u_bytes["int8"] * 4 == u_bytes["bfloat16"] * 2 == u_bytes["float32"]
     b_bytes = {d: unique_nbytes(states[d], bases_only=True) for d in states}
-    assert b_bytes["int8"] < 0.3 * b_bytes["float32"] and b_bytes["bfloat16"] * 2 == b_bytes["float32"]
+    assert b_bytes["int8"] == b_bytes["bfloat16"] and b_bytes["bfloat16"] * 2 == b_bytes["float32"]
+    assert b_bytes["int8_basis"] < 0.3 * b_bytes["float32"]
     naive = await engine.generate(prompt("coder", history), agent="c-naive", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="naive"))
     moved = kl(outs["float32"].logits[0], naive.logits[0])
-    for dtype in ("int8", "bfloat16"):
+    for dtype in ("int8", "int8_basis", "bfloat16"):
         assert kl(outs["float32"].logits[0], outs[dtype].logits[0]) < moved / 20, dtype
 
 
@@ -261,7 +263,7 @@ async def test_the_newest_reused_message_is_recomputed_whole(engine):
             out = await eng.generate(prompt("coder", history), agent="coder", sampling=FIRST)
             corrs = [(key[1], c) for key, c in eng.scheduler.segments._corrections.items() if c.agent == "coder"]
             tokens, last = max(corrs, key=lambda kc: kc[1].start)
-            newest[on] = (last.own.num_rows, len(tokens), out.usage.recomputed_tokens)
+            newest[on] = (last.recomputed, len(tokens), out.usage.recomputed_tokens)   # stored or not
         finally:
             eng.close()
     (rows_on, size, rec_on), (rows_off, size_off, rec_off) = newest[True], newest[False]
@@ -282,7 +284,7 @@ async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole()
         await ours.generate(prompt("reviewer", seen), agent="reviewer", sampling=FIRST)   # homes the hand-off
         await ours.generate(prompt("coder", seen), agent="coder", sampling=FIRST)
         segments = ours.scheduler.segments
-        mine = sorted((c.start, segments.lookup(key[1]).decoded, c.own.num_rows, len(key[1]))
+        mine = sorted((c.start, segments.lookup(key[1]).decoded, c.recomputed, len(key[1]))
                       for key, c in segments._corrections.items() if c.agent == "coder")
         task, handoff = mine[0], mine[-1]
         replies = [m for m in mine if m[1]]
@@ -294,16 +296,17 @@ async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole()
 
 
 async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine):
-    """correction_energy (default 0.98) stores the strongest recomputed rows only; the rest are dropped
-    and counted, recomputed_tokens still says what was recomputed, and an agent reusing its stored
-    corrections next turn stays much closer to exact than naive."""
+    """correction_energy < 1 (0.95 here; the default 1.0 keeps every row) stores the strongest
+    recomputed rows only; the rest are dropped and counted, recomputed_tokens still says what was
+    recomputed, and an agent reusing its stored corrections next turn stays much closer to exact."""
     history = await conversation(engine, turns=2)
     later = history + [{"role": "user", "content": "[reviewer] Please also handle quoted fields."}]
     opts = ReuseOptions(reuse="kvcmas")
     stats, outs = {}, {}
-    for energy in (1.0, 0.98):
+    assert EngineConfig().correction_energy == 1.0
+    default = 0.95
+    for energy in (1.0, default):
         eng = Engine(EngineConfig(reuse="kvcmas", correction_energy=energy, prefetch=False))
-        assert (energy == 0.98) == (EngineConfig().correction_energy == energy)
         try:
             await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
             first = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
@@ -313,11 +316,11 @@ async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine)
                 await assert_closer_than_naive(engine, eng, prompt("coder", later), again)
         finally:
             eng.close()
-    assert stats[1.0]["correction_rows_dropped"] == 0 < stats[0.98]["correction_rows_dropped"]
-    assert stats[0.98]["correction_bytes"] < stats[1.0]["correction_bytes"]
-    assert outs[0.98][0].usage.recomputed_tokens == outs[1.0][0].usage.recomputed_tokens > 0
+    assert stats[1.0]["correction_rows_dropped"] == 0 < stats[default]["correction_rows_dropped"]
+    assert stats[default]["correction_bytes"] < stats[1.0]["correction_bytes"]
+    assert outs[default][0].usage.recomputed_tokens == outs[1.0][0].usage.recomputed_tokens > 0
     exact = await engine.generate(prompt("coder", later), agent="exact", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="none"))
-    assert kl(exact.logits[0], outs[0.98][1].logits[0]) < 0.01
+    assert kl(exact.logits[0], outs[default][1].logits[0]) < 0.01
     with pytest.raises(ValueError, match="correction_energy"):
         EngineConfig(correction_energy=0.0)

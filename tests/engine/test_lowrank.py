@@ -175,13 +175,19 @@ def test_joint_basis_is_shared_reconstructs_at_full_rank_and_is_counted_once():
 
 
 def test_int8_factors_quantize_u_and_b_per_component_with_one_scale():
-    """int8 storage: U and B in one byte per entry; U's per-component scales fold into B before B is
-    quantized, so one fp32 scale per component is left, and U_q @ (s * B_q) reconstructs the float
-    factors to within the rounding of both."""
+    """int8 storage: U in one byte per entry, its per-component scales folded into a bf16 B; with
+    int8_basis B is quantized too, so one fp32 scale per component is left, and U_q @ (s * B_q)
+    reconstructs the float factors to within the rounding of both."""
     dk, dv = _devs(40, seed=3)
     rows = torch.arange(40)
     ref = compress(dk, dv, rows, rank=8, dtype=torch.float32)
-    q = compress(dk, dv, rows, rank=8, dtype=torch.int8)
+    u8 = compress(dk, dv, rows, rank=8, dtype=torch.int8)
+    assert u8.uk.dtype == torch.int8 and u8.bk.dtype == torch.bfloat16 and u8.sk is None
+    assert u8.nbytes == rows.nbytes + 2 * (u8.uk.numel() + 2 * u8.bk.numel())
+    for layer in range(L):
+        for got, want in zip(u8.dense(layer), ref.dense(layer)):
+            assert 0 < (got - want).norm() / want.norm() < 0.02
+    q = compress(dk, dv, rows, rank=8, dtype=torch.int8, int8_basis=True)
     assert {t.dtype for t in (q.uk, q.uv, q.bk, q.bv)} == {torch.int8}
     assert q.sk.shape == q.sv.shape == (L, KVH, 8, 1) and q.sk.dtype == torch.float32
     assert q.uk.abs().amax(dim=-2).min() == 127          # every component uses the full int8 range
@@ -195,7 +201,7 @@ def test_int8_factors_quantize_u_and_b_per_component_with_one_scale():
     with pytest.raises(ValueError, match="scales"):
         LowRankDelta(q.rows, q.uk, q.bk, q.uv, q.bv)      # int8 B without its scales
     # Composing int8 states at a capped rank stays int8; empty rows still work.
-    assert compose([q, q], rank=4).uk.dtype == torch.int8
+    assert compose([q, q], rank=4).uk.dtype == compose([q, q], rank=4).bk.dtype == torch.int8
     empty = compress(dk[:, :, :0], dv[:, :, :0], torch.zeros(0, dtype=torch.long), rank=8, dtype=torch.int8)
     assert empty.num_rows == 0 and empty.uk.dtype == torch.int8
 

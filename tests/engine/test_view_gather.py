@@ -28,7 +28,7 @@ def test_gather_path_matches_view_attention(head_dim, group, kv_heads, rank, tq)
         for i in range(ndeltas):
             rows = torch.sort(torch.randperm(n)[: n // 3]).values
             dk = torch.randn(layers, kv_heads, rows.numel(), head_dim) * 0.1
-            state = compress(dk, dk.flip(-1), rows, rank, dtype=torch.int8 if i == 0 else None)
+            state = compress(dk, dk.flip(-1), rows, rank, dtype=torch.int8 if i == 0 else None, int8_basis=True)
             deltas.append(realigner.rotate_delta(state, 11) if i == 1 else state)
         return SegmentPiece(perm[100 + start:100 + start + n], torch.arange(start, start + n), delta, deltas)
     pieces = [OwnPiece(perm[:10], torch.arange(10)), seg(10, 30, 7, 2), seg(40, 20, -3, 0),

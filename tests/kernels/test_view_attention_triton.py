@@ -22,7 +22,8 @@ LAYERS = 2
 ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
-def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, lengths=(6, 37, 23), factors=None):
+def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, lengths=(6, 37, 23), factors=None,
+              int8_basis=False):
     """Own prefix + two reused segments (deltas 13 and -4) + own tail whose last tq tokens query."""
     g = torch.Generator().manual_seed(seed)
     slots_total = 400
@@ -39,7 +40,7 @@ def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, len
                 "some": torch.randperm(n, generator=g)[: n // 3 + 1]}[rows_mode]
         dk = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
         dv = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
-        return compress(dk, dv, rows, rank, dtype=factors or dtype)
+        return compress(dk, dv, rows, rank, dtype=factors or dtype, int8_basis=int8_basis)
 
     pieces = [OwnPiece(slots[0], pos[0])]
     for i, delta in enumerate((13, -4)):
@@ -100,13 +101,15 @@ def test_split_kv_decode_matches_oracle():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_factors_match_oracle(dtype):
-    """The engine's default correction storage: U and B in int8 (B with per-component scales); the chain's
-    first state owes a pending shift, as a predecessor's state moved into this view does."""
+@pytest.mark.parametrize("int8_basis", [False, True])
+def test_int8_factors_match_oracle(dtype, int8_basis):
+    """int8 correction storage: U in int8 with a bf16 B (the default), or B in int8 too (with per-component
+    scales); the chain's first state owes a pending shift, as a predecessor's state moved here does."""
     q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=11,
-                                                        factors=torch.int8)
+                                                        factors=torch.int8, int8_basis=int8_basis)
     seg = pieces[1]
-    assert seg.deltas[0].uk.dtype == seg.deltas[0].bk.dtype == torch.int8
+    assert seg.deltas[0].uk.dtype == torch.int8
+    assert seg.deltas[0].bk.dtype == (torch.int8 if int8_basis else torch.bfloat16)
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
                              [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
     _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
