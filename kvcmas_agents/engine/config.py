@@ -62,8 +62,9 @@ class EngineConfig:
         and heads) that its stored corrections keep: recomputed rows are stored strongest first until
         they hold it, and the faint rest revert to the reference; stats()["correction_rows_dropped"]
         counts them. 1.0 (default) keeps every row; recompute_ratio=1.0 keeps every row whatever this
-        says. Fewer bytes, lower fidelity: on the bench pipeline 0.95 cut peak memory 150 -> 134 MiB,
-        but the fidelity harness's debate and fan-out agreement fell to 0.81 and 0.63.
+        says. Fewer bytes, lower fidelity: on the bench pipeline (with "int8_basis") 0.95 cut peak
+        memory 150 -> 134 MiB, but the fidelity harness's debate and fan-out agreement fell to 0.81
+        and 0.63.
     kv_budget_bytes: upper bound on KV cache bytes; unreferenced cached blocks are evicted LRU.
     block_size: tokens per KV block.
     max_batch_tokens: tokens one forward step may process (long prompts are chunked).

@@ -2,9 +2,9 @@
 
 For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per layer and KV head
 (likewise for V). Factors are stored as ``U`` [L, KVH, R, r] (singular values folded in) and ``B``
-[L, KVH, r, D], so a state costs O(R * r + r * D) per head instead of O(T * D). In int8, B carries
-one fp32 scale per component (``sk``/``sv``); readers get B through ``Basis``, which dequantizes it and,
-for keys, applies the state's pending position ``shift``.
+[L, KVH, r, D], so a state costs O(R * r + r * D) per head instead of O(T * D). An int8 B
+(``int8_basis``) carries one fp32 scale per component (``sk``/``sv``). Readers get B through
+``Basis``, which dequantizes it and, for keys, applies the state's pending position ``shift``.
 """
 from __future__ import annotations
 
