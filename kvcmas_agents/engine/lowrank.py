@@ -107,6 +107,8 @@ class Basis:
 
     def at(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One layer's basis [KVH, r, D] (or all of them for the default slice), in ``dtype``."""
+        if self.scale is None and self.cos is None:
+            return self.b[layer].to(dtype)      # the default bf16 B on a decode step: one cast, no fp32 detour
         x = self.b[layer].float()
         if self.scale is not None:
             x = x * self.scale[layer]
