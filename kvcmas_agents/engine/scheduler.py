@@ -34,6 +34,7 @@ class Scheduler:
         self.prefix = PrefixCache(store)
         self.segments = SegmentStore(store)
         self.segments.is_cached = self.prefix.is_cached
+        self.segments.packer.can_allocate = lambda: self._room > 0     # never a block promised to a request
         self.corrector = None          # set by the engine for cross-agent modes (CROSS_AGENT_MODES)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

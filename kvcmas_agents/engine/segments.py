@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .home_pack import HomePacker
 from .kv_store import KVStore
 from .lowrank import LowRankDelta, unique_nbytes
 
@@ -32,8 +33,8 @@ class HomeView:
     agent: str                  # whose context computed it
     start: int                  # its first position there
     context: int                # context_key of that computation
-    slots: torch.Tensor         # KV slots of its tokens, in order
-    blocks: list[int]           # blocks holding those slots (referenced by the store)
+    slots: torch.Tensor         # KV slots of its tokens, in order (partial edge blocks' tokens packed)
+    blocks: list[int]           # blocks holding those slots (one reference each)
     users: int = 0              # running requests reading it (pinned while > 0)
     decoded: bool = False       # KV from the generating agent's decode, matched inside message segments
 
@@ -73,6 +74,7 @@ class SegmentStore:
         self._decoded: dict[tuple[int, ...], list[HomeView]] = {}    # first DECODE_KEY tokens -> homes
         self.evicted = 0
         self.is_cached: Callable[[int], bool] = lambda block: False   # prefix-cache membership
+        self.packer = HomePacker(store)          # partial blocks' tokens are packed (engine/home_pack.py)
 
     def lookup(self, tokens: tuple[int, ...]) -> HomeView | None:
         home = self._homes.get(tokens)
@@ -85,11 +87,7 @@ class SegmentStore:
         """Keep the KV at positions [start, start + len) of a sequence with these blocks as a home view."""
         if not tokens or tokens in self._homes:
             return None
-        slots = self.store.slots(blocks, start, start + len(tokens))
-        bs = self.store.block_size
-        held = sorted({blocks[p // bs] for p in range(start, start + len(tokens))})
-        for b in held:
-            self.store.incref(b)
+        slots, held = self.packer.place(blocks, start, start + len(tokens))
         home = HomeView(tokens, agent, start, context, slots, held)
         self._homes[tokens] = home
         return home
@@ -144,6 +142,7 @@ class SegmentStore:
                         del self._decoded[key[:DECODE_KEY]]
                 for b in home.blocks:
                     self.store.decref(b, cached=self.is_cached(b))
+                    self.packer.released(b)
                 for ck in [ck for ck in self._corrections if ck[1] == key]:
                     del self._corrections[ck]
                 self.evicted += 1

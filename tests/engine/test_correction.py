@@ -124,6 +124,31 @@ async def test_kv_returns_to_home_view_baseline(engine):
     assert stats["kv_bytes"] == stats["home_view_bytes"] + stats["kv_bytes_cached"]
 
 
+async def test_home_views_pack_their_partial_blocks_and_serve_the_same_kv():
+    """Home views hold about one block per 16 of their tokens (partial blocks' tokens are packed,
+    engine/home_pack.py), and a later agent's result is the same as with every partial block held."""
+    held, outs = {}, {}
+    for pack in (True, False):
+        eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
+        if not pack:
+            eng.scheduler.segments.packer.can_allocate = lambda: False     # hold partial blocks in place
+        try:
+            history = [{"role": "user", "content": TASK}]
+            for agent in ("planner", "coder"):
+                out = await eng.generate(prompt(agent, history), agent=agent, sampling=SamplingParams(max_tokens=24))
+                history.append({"role": "user", "content": f"[{agent}] {out.text}"})
+            outs[pack] = await eng.generate(prompt("reviewer", history), agent="reviewer", sampling=FIRST)
+            held[pack] = eng.stats()
+        finally:
+            eng.close()
+    bs, block = held[True]["block_size"], held[True]["block_bytes"]
+    assert held[True]["home_view_tokens"] == held[False]["home_view_tokens"]
+    assert held[True]["home_view_bytes"] <= (held[True]["home_view_tokens"] // bs + 1) * block
+    assert held[True]["home_view_bytes"] < held[False]["home_view_bytes"]
+    assert held[True]["blocks_in_use"] < held[False]["blocks_in_use"]
+    assert torch.equal(outs[True].logits[0], outs[False].logits[0])
+
+
 async def test_new_text_between_reused_segments(engine):
     history = await conversation(engine, turns=2)
     await engine.generate(prompt("planner", history), agent="p5", sampling=FIRST,
