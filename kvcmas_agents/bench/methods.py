@@ -17,10 +17,11 @@ class Method:
     reference: str | None = None
     prefetch: bool | None = None
     prefetch_ratio: float | None = None
+    value_bits: int | None = None
 
     def _knobs(self) -> dict:
-        return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio")
-                if getattr(self, k) is not None}
+        return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio",
+                                              "value_bits") if getattr(self, k) is not None}
 
     def config(self, model: str | None, device: str, **extra) -> EngineConfig:
         return EngineConfig(model=model, device=device, reuse=self.reuse, **self._knobs(), **extra)
@@ -28,7 +29,7 @@ class Method:
     @property
     def label(self) -> str:
         short = {"recompute_ratio": "r", "rank": "k", "reference": "ref", "prefetch": "prefetch",
-                 "prefetch_ratio": "pr"}
+                 "prefetch_ratio": "pr", "value_bits": "vbits"}
         knobs = self._knobs()
         if not knobs:
             return self.name
@@ -42,6 +43,8 @@ METHODS: dict[str, Method] = {
     "cacheblend": Method("cacheblend", "cacheblend", recompute_ratio=0.15),   # CacheBlend's ~15% HKVD
     "kvcomm": Method("kvcomm", "kvcomm"),              # anchor pool of full-size offsets
     "kvcmas": Method("kvcmas", "kvcmas"),              # ours, engine-default knobs
+    # ours with the values kept as 4-bit rows (EngineConfig.value_bits): fewer bytes, see README
+    "kvcmas-v4": Method("kvcmas-v4", "kvcmas", value_bits=4),
 }
 DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
 

@@ -13,6 +13,7 @@ PRIVATE_COPY_MODES: tuple[str, ...] = ("cacheblend", "kvcomm")
 REFERENCES: tuple[str, ...] = ("home", "chain")
 BASES: tuple[str, ...] = ("request", "segment")
 CORRECTION_DTYPES: tuple[str, ...] = ("int8", "int8_basis", "bfloat16", "float16", "float32", "kv")
+VALUE_BITS: tuple[int, ...] = (0, 4, 8)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 VIEW_PATHS: tuple[str, ...] = ("auto", "gather", "query", "triton")
 
@@ -51,13 +52,21 @@ class EngineConfig:
     basis: "request" compresses all segments one request corrects against one shared rank-r basis per
         layer and KV head (the r x head_dim basis is stored once, not once per segment); "segment"
         gives every segment its own basis.
-    correction_dtype: storage dtype of the low-rank factors: "int8" (default: U in one byte per entry
+    correction_dtype: storage dtype of the low-rank factors (of the keys; of the values too with
+        value_bits=0): "int8" (default: U in one byte per entry
         with a per-component scale folded into a bf16 B; the rounding is about 1% of a correction, far
         below the rank truncation error), "int8_basis" (B in int8 too, one fp32 scale per component
         left: correction bytes 70.0 -> 58.7 MiB on the bench pipeline, but one fan-out turn of the fidelity
         harness left the greedy path on a 0.11 top-2 gap), "bfloat16", "float16",
         "float32", or "kv" (the KV cache's dtype). recompute_ratio=1.0 keeps the exact
         deviation in the KV dtype whatever this says.
+    value_bits: 0 (default) factors the values like the keys (rank-``rank`` SVD in correction_dtype);
+        4 or 8 keeps the values full rank instead: each recomputed row's value deviation is stored as
+        it is, quantized per row to that many bits with one bf16 scale per row and KV head (no SVD, no
+        B_v). On the bench pipeline 4 cuts correction bytes 70.0 -> 54.5 MiB (peak 146.7 -> 131.2 MiB)
+        at equal or lower KL, but over 38 bench turns one more greedy near-tie (0.082 top-2 gap) broke,
+        which makes the fidelity harness's debate agreement 0.896; see README, "Correction storage".
+        The keys stay low-rank either way: 4-bit key rows cost fidelity (keys enter the logits).
     correction_energy: share of a correcting request's squared deviation (summed over K and V, layers
         and heads) that its stored corrections keep: recomputed rows are stored strongest first until
         they hold it, and the faint rest revert to the reference; stats()["correction_rows_dropped"]
@@ -93,6 +102,7 @@ class EngineConfig:
     recompute_newest: bool = True
     basis: str = "request"
     correction_dtype: str = "int8"
+    value_bits: int = 0
     correction_energy: float = 1.0
     # attention over corrected views: "auto" (Triton kernel on CUDA, else "gather"), "gather" (torch,
     # gathered keys + SDPA), "query" (torch view_attention), "triton" (the kernel; TRITON_INTERPRET on CPU)
@@ -115,6 +125,8 @@ class EngineConfig:
             raise ValueError(f"prefetch_ratio must be in [0, 1], got {self.prefetch_ratio}")
         if not 0.0 < self.correction_energy <= 1.0:
             raise ValueError(f"correction_energy must be in (0, 1], got {self.correction_energy}")
+        if self.value_bits not in VALUE_BITS or isinstance(self.value_bits, bool):
+            raise ValueError(f"value_bits must be one of {VALUE_BITS}, got {self.value_bits!r}")
         if self.correction_dtype not in CORRECTION_DTYPES:
             raise ValueError(f"correction_dtype must be one of {CORRECTION_DTYPES}, got {self.correction_dtype!r}")
         if self.basis not in BASES:

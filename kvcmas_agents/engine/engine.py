@@ -71,6 +71,7 @@ class Engine:
         if self.config.correction_dtype != "kv":
             self.corrector.state_dtype = getattr(torch, self.config.correction_dtype.removesuffix("_basis"))
         self.corrector.int8_basis = self.config.correction_dtype == "int8_basis"
+        self.corrector.value_bits = self.config.value_bits
         self.prefetcher = (Prefetcher(self.scheduler, self.corrector, self.successors, self.config.prefetch_ratio)
                            if self.config.prefetch else None)
         self.runner = ModelRunner(self.model, self.store, self.corrector, self.config.view_path)
@@ -209,7 +210,9 @@ class Engine:
             "home_views": seg.homes, "home_view_tokens": seg.home_tokens, "home_view_bytes": home_bytes,
             "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
             "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent, "home_views_evicted": seg.evicted,
-            "correction_energy": self.config.correction_energy, "correction_rows_dropped": self.corrector.rows_dropped,
+            "correction_dtype": self.config.correction_dtype, "value_bits": self.config.value_bits,
+            "correction_energy": self.config.correction_energy,
+            "correction_rows_dropped": self.corrector.rows_dropped,
             "blend_ratio": self.config.blend_ratio, "kvcomm_anchors": self.config.kvcomm_anchors,
             "kvcomm_threshold": self.config.kvcomm_threshold,
             "anchors": anchors.anchors, "anchor_bytes": anchors.anchor_bytes,

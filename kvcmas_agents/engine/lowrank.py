@@ -1,18 +1,24 @@
-"""Compact correction states: a truncated SVD of the deviation of a segment's corrected rows.
+"""Compact correction states of a segment's corrected rows: quantized rows, or a truncated SVD.
 
 For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per layer and KV head
-(likewise for V). Factors are stored as ``U`` [L, KVH, R, r] (singular values folded in) and ``B``
-[L, KVH, r, D], so a state costs O(R * r + r * D) per head instead of O(T * D). An int8 B
-(``int8_basis``) carries one fp32 scale per component (``sk``/``sv``). Readers get B through
-``Basis``, which dequantizes it and, for keys, applies the state's pending position ``shift``.
+(likewise for V), with ``U`` [L, KVH, R, r] and ``B`` [L, KVH, r, D]. Each side (K, V) is
+- low rank: a rank-r truncated SVD, singular values folded into U; an int8 U's per-component scales
+  fold into B, and an int8 B (``int8_basis``) carries one fp32 scale per component (``sk``/``sv``); or
+- full rank (``compress(value_bits=...)`` does this for the values): U is the deviation rows
+  themselves, quantized per row to 4 or 8 bits with one bf16 scale per row and head (``rk``/``rv``),
+  and B is the identity (not stored).
+Readers get U through ``Coeffs`` and B through ``Basis``, which dequantize them and, for keys, apply
+the state's pending position ``shift``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Iterable
 
 import torch
 
+from .quant_rows import dequantize_rows, quantize_rows, row_width
 from .rope import rotate
 
 
@@ -24,25 +30,38 @@ class LowRankDelta:
     rotation (in positions) still owed to B_k to move them into the view they now correct (see
     ``Realigner.rotate_delta``), applied when read, so a moved state shares its tensors instead of
     holding a rotated copy. ``sk``/``sv`` [L, KVH, r, 1] are the per-component scales of int8 B factors.
+    ``rk``/``rv`` [L, KVH, R, 1] are the per-row scales of a full-rank side's quantized rows (U int8,
+    or uint8 with two 4-bit codes per byte); its B factor is None: the identity.
     """
 
-    rows: torch.Tensor   # LongTensor [R], unique indices into the segment's tokens
-    uk: torch.Tensor     # [L, KVH, R, r]
-    bk: torch.Tensor     # [L, KVH, r, D]
-    uv: torch.Tensor     # [L, KVH, R, r]
-    bv: torch.Tensor     # [L, KVH, r, D]
+    rows: torch.Tensor          # LongTensor [R], unique indices into the segment's tokens
+    uk: torch.Tensor            # [L, KVH, R, r]
+    bk: torch.Tensor | None     # [L, KVH, r, D]; None: identity (full-rank quantized rows)
+    uv: torch.Tensor            # [L, KVH, R, r]
+    bv: torch.Tensor | None     # [L, KVH, r, D]
     sk: torch.Tensor | None = None
     sv: torch.Tensor | None = None
     shift: int = 0
+    rk: torch.Tensor | None = None
+    rv: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         layers, heads, nrows, _ = self.uk.shape
         if self.rows.shape != (nrows,) or self.uv.shape[:3] != (layers, heads, nrows):
             raise ValueError(f"rows {tuple(self.rows.shape)} do not match factors {tuple(self.uk.shape)}")
-        if self.bk.shape[:3] != (layers, heads, self.uk.shape[3]) or \
-                self.bv.shape[:3] != (layers, heads, self.uv.shape[3]):
-            raise ValueError("U and B factors disagree on rank or layout")
+        for u, b, r in ((self.uk, self.bk, self.rk), (self.uv, self.bv, self.rv)):
+            if r is None and (u.dtype == torch.uint8 or b is None):
+                raise ValueError("a low-rank state needs B factors (only quantized rows with row scales have none)")
+            if r is not None and (u.dtype not in (torch.int8, torch.uint8) or r.shape != (*u.shape[:3], 1)):
+                raise ValueError("quantized rows are int8 or uint8 (4-bit) with row scales [L, KVH, R, 1]")
+            rank = row_width(u) if r is not None else u.shape[3]
+            if b is not None and b.shape[:3] != (layers, heads, rank):
+                raise ValueError("U and B factors disagree on rank or layout")
         for b, s in ((self.bk, self.sk), (self.bv, self.sv)):
+            if b is None:
+                if s is not None:
+                    raise ValueError("an identity basis has no scales")
+                continue
             if (s is None) != (b.dtype != torch.int8) or (s is not None and s.shape != (*b.shape[:3], 1)):
                 raise ValueError("int8 B factors need scales [L, KVH, r, 1], and only they have scales")
 
@@ -60,8 +79,8 @@ class LowRankDelta:
 
     @property
     def rank(self) -> int:
-        """Largest of the key and value ranks."""
-        return max(self.uk.shape[-1], self.uv.shape[-1])
+        """Largest of the key and value ranks (head_dim for full-rank rows)."""
+        return max(self.key_coeffs().rank, self.value_coeffs().rank)
 
     @property
     def nbytes(self) -> int:
@@ -69,41 +88,90 @@ class LowRankDelta:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.rows, self.uk, self.uv) + self.basis_tensors()
+        own = (self.rows, self.uk, self.uv) + tuple(t for t in (self.rk, self.rv) if t is not None)
+        return own + self.basis_tensors()
 
     def basis_tensors(self) -> tuple[torch.Tensor, ...]:
         """The B factors and their scales (what a joint basis shares)."""
         return tuple(t for t in (self.bk, self.sk, self.bv, self.sv) if t is not None)
+
+    def key_coeffs(self) -> "Coeffs":
+        """U_k as readers need it (dequantized when read)."""
+        return Coeffs(self.uk, self.rk)
+
+    def value_coeffs(self) -> "Coeffs":
+        return Coeffs(self.uv, self.rv)
 
     def key_basis(self, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Basis":
         """B_k as readers need it; ``cos_sin`` rotates it by ``shift`` (``Realigner.key_basis`` passes it)."""
         if self.shift and cos_sin is None:
             raise ValueError(f"this state's keys still owe a rotation by {self.shift}: read them through "
                              "Realigner.key_basis")
-        return Basis(self.bk, self.sk, *(cos_sin if self.shift else (None, None)))
+        return Basis(self._basis(self.bk, self.uk), self.sk, *(cos_sin if self.shift else (None, None)),
+                     identity=self.bk is None)
 
     def value_basis(self) -> "Basis":
-        return Basis(self.bv, self.sv)
+        return Basis(self._basis(self.bv, self.uv), self.sv, identity=self.bv is None)
+
+    @staticmethod
+    def _basis(b: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+        return b if b is not None else _eye(*u.shape[:2], row_width(u), u.device)
 
     def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reconstructed deviations (dk, dv), each [KVH, R, D] in fp32, for one layer (shift 0 only)."""
-        return (self.uk[layer].float() @ self.key_basis().at(layer),
-                self.uv[layer].float() @ self.value_basis().at(layer))
+        return (self.key_coeffs().at(layer) @ self.key_basis().at(layer),
+                self.value_coeffs().at(layer) @ self.value_basis().at(layer))
 
     def to(self, device: torch.device | str) -> "LowRankDelta":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return LowRankDelta(*(move(t) for t in (self.rows, self.uk, self.bk, self.uv, self.bv, self.sk, self.sv)),
-                            shift=self.shift)
+                            shift=self.shift, rk=move(self.rk), rv=move(self.rv))
+
+
+@lru_cache(maxsize=16)
+def _eye(layers: int, heads: int, dim: int, device: torch.device) -> torch.Tensor:
+    """An identity basis [L, KVH, D, D] (an expanded view: it holds D * D floats)."""
+    return torch.eye(dim, device=device).expand(layers, heads, dim, dim)
+
+
+@dataclass(frozen=True)
+class Coeffs:
+    """A U factor [L, KVH, R, r] as read: plain, or quantized rows dequantized by their row ``scale``."""
+
+    u: torch.Tensor
+    scale: torch.Tensor | None = None
+
+    @property
+    def rank(self) -> int:
+        return row_width(self.u) if self.scale is not None else self.u.shape[-1]
+
+    @property
+    def bits(self) -> int:
+        """Bits per code of quantized rows (4 or 8); 0 for factors."""
+        return 0 if self.scale is None else (4 if self.u.dtype == torch.uint8 else 8)
+
+    def at(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """One layer's coefficients [KVH, R, r] (or all of them for the default slice), in ``dtype``."""
+        if self.scale is None:
+            return self.u[layer].to(dtype)
+        return dequantize_rows(self.u[layer], self.scale[layer], dtype)
 
 
 @dataclass(frozen=True)
 class Basis:
-    """A B factor [L, KVH, r, D] as read: dequantized by ``scale`` and rotated by cos/sin [D] if given."""
+    """A B factor [L, KVH, r, D] as read: dequantized by ``scale`` and rotated by cos/sin [D] if given.
+    ``identity``: B is the identity (full-rank rows); with no rotation, readers may skip the product."""
 
     b: torch.Tensor
     scale: torch.Tensor | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
+    identity: bool = False
+
+    @property
+    def plain_identity(self) -> bool:
+        """The identity, not rotated: U @ B is U itself."""
+        return self.identity and self.cos is None
 
     def at(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One layer's basis [KVH, r, D] (or all of them for the default slice), in ``dtype``."""
@@ -158,12 +226,14 @@ def _quantized(u: torch.Tensor, b: torch.Tensor,
 
 
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
-             dtype: torch.dtype | None = None, int8_basis: bool = False) -> LowRankDelta:
+             dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0) -> LowRankDelta:
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
     Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
     factors are stored in ``dtype`` (default: dk's dtype). ``torch.int8`` stores U quantized per
-    component with B in bf16, or B in int8 too with ``int8_basis`` (see ``_quantized``).
+    component with B in bf16, or B in int8 too with ``int8_basis`` (see ``_quantized``). With
+    ``value_bits`` (4 or 8) only the keys are factored: the value rows are kept full rank, quantized
+    per row to that many bits with one bf16 scale per row and head, and B_v is the identity.
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")
@@ -175,17 +245,25 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
         raise ValueError(f"rank must be >= 0, got {rank}")
     dtype = dtype or dk.dtype
     rows = rows.to(device=dk.device, dtype=torch.long)
+    uk, bk, sk = _factored(dk, rank, dtype, int8_basis)
+    if value_bits:
+        uv, rv = quantize_rows(dv, value_bits)
+        return LowRankDelta(rows, uk, bk, uv, None, sk, rv=rv)
+    uv, bv, sv = _factored(dv, rank, dtype, int8_basis)
+    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv)
+
+
+def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype,
+              int8_basis: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(U, B, B's scale or None) of one side, stored in ``dtype``."""
     if dtype == torch.int8:
-        uk, bk, sk = _quantized(*_truncated(dk, rank, torch.float32), int8_basis)
-        uv, bv, sv = _quantized(*_truncated(dv, rank, torch.float32), int8_basis)
-        return LowRankDelta(rows, uk, bk, uv, bv, sk, sv)
-    uk, bk = _truncated(dk, rank, dtype)
-    uv, bv = _truncated(dv, rank, dtype)
-    return LowRankDelta(rows, uk, bk, uv, bv)
+        return _quantized(*_truncated(d, rank, torch.float32), int8_basis)
+    return (*_truncated(d, rank, dtype), None)
 
 
 def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
-                   dtype: torch.dtype | None = None, int8_basis: bool = False) -> list[LowRankDelta]:
+                   dtype: torch.dtype | None = None, int8_basis: bool = False,
+                   value_bits: int = 0) -> list[LowRankDelta]:
     """Compress several segments' deviations (each [L, KVH, R_i, D]) against one shared basis.
 
     The segments an agent corrects in one request deviate for the same reason (its own prefix), so
@@ -195,13 +273,15 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
     if not (len(dks) == len(dvs) == len(rows)) or not dks:
         raise ValueError("compress_joint needs one dk, dv and rows per segment")
     dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
-    joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype, int8_basis)  # split below
+    joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype, int8_basis,
+                     value_bits)   # split below
     out, offset = [], 0
     for r in rows:
         n = r.numel()
-        # Own copies of U rows (not views), so each segment's bytes are its own; B is shared.
-        out.append(replace(joint, rows=r.to(device=joint.uk.device, dtype=torch.long),
-                           uk=joint.uk[:, :, offset:offset + n].clone(), uv=joint.uv[:, :, offset:offset + n].clone()))
+        # Own copies of the row-indexed tensors (not views), so each segment's bytes are its own; B is shared.
+        cut = lambda t: None if t is None else t[:, :, offset:offset + n].clone()  # noqa: E731
+        out.append(replace(joint, rows=r.to(device=joint.uk.device, dtype=torch.long), uk=cut(joint.uk),
+                           uv=cut(joint.uv), rk=cut(joint.rk), rv=cut(joint.rv)))
         offset += n
     return out
 
@@ -262,13 +342,14 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
     rows = torch.cat([d.rows for d in deltas]).unique(sorted=True)
     where = [torch.searchsorted(rows, d.rows) for d in deltas]
     if rank is not None:
-        layers, heads, _, dim = first.bk.shape
-        dk = first.bk.new_zeros(layers, heads, rows.numel(), dim, dtype=torch.float32)
+        layers, heads, _, dim = first.key_basis().b.shape
+        dk = first.uk.new_zeros(layers, heads, rows.numel(), dim, dtype=torch.float32)
         dv = torch.zeros_like(dk)
         for d, idx in zip(deltas, where):
-            dk.index_add_(2, idx, d.uk.float() @ d.key_basis().at())
-            dv.index_add_(2, idx, d.uv.float() @ d.value_basis().at())
-        return compress(dk, dv, rows, rank, dtype=first.uk.dtype, int8_basis=first.sk is not None)
+            dk.index_add_(2, idx, d.key_coeffs().at() @ d.key_basis().at())
+            dv.index_add_(2, idx, d.value_coeffs().at() @ d.value_basis().at())
+        return compress(dk, dv, rows, rank, dtype=first.uk.dtype, int8_basis=first.sk is not None,
+                        value_bits=first.value_coeffs().bits)
 
     def scatter_u(us: list[torch.Tensor]) -> torch.Tensor:
         # Each delta's U gets its own rank columns; rows it does not correct stay zero.
@@ -280,8 +361,10 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
             col += u.shape[-1]
         return out
 
-    return LowRankDelta(rows, scatter_u([d.uk for d in deltas]), torch.cat([d.key_basis().at() for d in deltas], 2),
-                        scatter_u([d.uv for d in deltas]), torch.cat([d.value_basis().at() for d in deltas], 2))
+    return LowRankDelta(rows, scatter_u([d.key_coeffs().at() for d in deltas]),
+                        torch.cat([d.key_basis().at() for d in deltas], 2),
+                        scatter_u([d.value_coeffs().at() for d in deltas]),
+                        torch.cat([d.value_basis().at() for d in deltas], 2))
 
 
 def apply_to(k_ref: torch.Tensor, v_ref: torch.Tensor, deltas: list[LowRankDelta],

@@ -65,7 +65,7 @@ def _piece_scores(qg: torch.Tensor, q: torch.Tensor, piece: Piece, k_cache: torc
             # (q . B_k^T) . U_k^T: rank-r work per query instead of one dot per corrected row.
             bk = (realigner.key_basis(d) if d.shift else d.key_basis()).at(layer)
             qb = qg @ bk.unsqueeze(1).transpose(-1, -2)                         # [KVH, G, Tq, r]
-            corr = qb @ d.uk[layer].float().unsqueeze(1).transpose(-1, -2)    # [KVH, G, Tq, R]
+            corr = qb @ d.key_coeffs().at(layer).unsqueeze(1).transpose(-1, -2)   # [KVH, G, Tq, R]
             scores.index_add_(-1, d.rows, corr)
     return scores
 
@@ -76,7 +76,7 @@ def _piece_output(p: torch.Tensor, piece: Piece, v_cache: torch.Tensor, layer: i
     out = p @ v
     if isinstance(piece, SegmentPiece):
         for d in piece.deltas:
-            pu = p.index_select(-1, d.rows) @ d.uv[layer].float().unsqueeze(1)   # [KVH, G, Tq, r]
+            pu = p.index_select(-1, d.rows) @ d.value_coeffs().at(layer).unsqueeze(1)   # [KVH, G, Tq, r]
             out = out + pu @ d.value_basis().at(layer).unsqueeze(1)
     return out
 

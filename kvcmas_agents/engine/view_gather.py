@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .attention import grouped_attention, sdpa
-from .lowrank import Basis
+from .lowrank import Basis, Coeffs
 from .realign import Realigner
 from .rope import rotate
 from .view_attention import SegmentPiece
@@ -25,9 +25,9 @@ class GatheredView:
     cos: torch.Tensor                            # [M, 1, D]: rows [0, M) are rotated (identity where not reused)
     sin: torch.Tensor
     # (U_k, B_k, U_v, B_v): the corrections that share one basis (and shift), their U factors listed
-    # (U [L, KVH, R_i, r] each) so that each layer needs one product per basis; ``rows`` [R] are their key
-    # rows, group by group.
-    corrections: list[tuple[list[torch.Tensor], Basis, list[torch.Tensor], Basis]]
+    # (U [L, KVH, R_i, r] each) so that each layer needs one product per basis (none for the identity
+    # of full-rank rows); ``rows`` [R] are their key rows, group by group.
+    corrections: list[tuple[list[Coeffs], Basis, list[Coeffs], Basis]]
     rows: torch.Tensor
 
     def extend(self, slots: torch.Tensor) -> "GatheredView":
@@ -47,11 +47,11 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
                 rotations.append((offset, n, *realigner.cos_sin(p.delta, device, dtype)))
             for d in p.deltas:
                 if d.num_rows:
-                    rows, uks, _, uvs, _ = groups.setdefault((id(d.bk), id(d.bv), d.shift), (
-                        [], [], realigner.key_basis(d), [], d.value_basis()))
+                    rows, uks, _, uvs, _ = groups.setdefault((_basis_id(d.bk, d.uk), _basis_id(d.bv, d.uv), d.shift),
+                                                             ([], [], realigner.key_basis(d), [], d.value_basis()))
                     rows.append(d.rows.to(device) + offset)
-                    uks.append(d.uk)
-                    uvs.append(d.uv)
+                    uks.append(d.key_coeffs())
+                    uvs.append(d.value_coeffs())
         offset += n
     m = max((a + n for a, n, _, _ in rotations), default=0)
     cos = torch.ones(m, 1, realigner.head_dim, device=device, dtype=dtype)
@@ -63,9 +63,19 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
     return GatheredView(torch.cat(slots).to(device), cos, sin, corrections, rows.to(device))
 
 
-def _dense(us: list[torch.Tensor], b: Basis, layer: int, dtype: torch.dtype) -> torch.Tensor:
-    u = us[0][layer] if len(us) == 1 else torch.cat([x[layer] for x in us], dim=1)
-    return (u.to(dtype) @ b.at(layer, dtype)).transpose(0, 1)          # [R, KVH, D]
+def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
+    """What corrections sharing one basis have in common: the B tensor, or the identity's width."""
+    return id(b) if b is not None else ("identity", u.shape[-1], u.dtype)
+
+
+def _coeffs(us: list[Coeffs], layer: int, dtype: torch.dtype) -> torch.Tensor:
+    """The listed U factors of one layer, side by side [KVH, sum R_i, r]."""
+    return us[0].at(layer, dtype) if len(us) == 1 else torch.cat([u.at(layer, dtype) for u in us], dim=1)
+
+
+def _dense(us: list[Coeffs], b: Basis, layer: int, dtype: torch.dtype) -> torch.Tensor:
+    u = _coeffs(us, layer, dtype)
+    return (u if b.plain_identity else u @ b.at(layer, dtype)).transpose(0, 1)          # [R, KVH, D]
 
 
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -109,20 +119,21 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
     scores = qg @ k.permute(1, 2, 0)                                    # [KVH, G*n, ctx]
     parts, offset = [], 0
     for uks, bk, uvs, bv in view.corrections:
-        uk, uv = (us[0][layer] if len(us) == 1 else torch.cat([u[layer] for u in us], dim=1) for us in (uks, uvs))
+        uk = _coeffs(uks, layer, q.dtype)
         rows = view.rows[offset:offset + uk.shape[1]]
         offset += uk.shape[1]
-        qb = qg @ bk.at(layer, q.dtype).transpose(-1, -2)               # [KVH, G*n, r]
-        scores.index_add_(-1, rows, qb @ uk.to(q.dtype).transpose(-1, -2))
-        parts.append((rows, uv, bv))
+        qb = qg if bk.plain_identity else qg @ bk.at(layer, q.dtype).transpose(-1, -2)   # [KVH, G*n, r]
+        scores.index_add_(-1, rows, qb @ uk.transpose(-1, -2))
+        parts.append((rows, uvs, bv))
     scores = (scores * scale).view(kvh, g, n, ctx)
     if n > 1:
         visible = torch.arange(ctx, device=q.device) <= torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
         scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kvh, g * n, ctx)
     out = probs @ v.transpose(0, 1)                                     # [KVH, G*n, D]
-    for rows, uv, bv in parts:
-        out += (probs.index_select(-1, rows) @ uv.to(q.dtype)) @ bv.at(layer, q.dtype)
+    for rows, uvs, bv in parts:
+        pu = probs.index_select(-1, rows) @ _coeffs(uvs, layer, q.dtype)
+        out += pu if bv.plain_identity else pu @ bv.at(layer, q.dtype)
     return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 

@@ -105,8 +105,8 @@ def pack_view(pieces: list, realigner: Realigner, device: torch.device, block_n:
     head_dim = realigner.head_dim
     if corrections:
         rank_pad = max(16, 1 << (max(d.rank for d in corrections) - 1).bit_length())
-        uk = torch.cat([_pad_rank(d.uk, 3, rank_pad) for d in corrections], dim=2).to(device)
-        uv = torch.cat([_pad_rank(d.uv, 3, rank_pad) for d in corrections], dim=2).to(device)
+        uk = torch.cat([_pad_rank(d.key_coeffs().at(), 3, rank_pad) for d in corrections], dim=2).to(device)
+        uv = torch.cat([_pad_rank(d.value_coeffs().at(), 3, rank_pad) for d in corrections], dim=2).to(device)
         bk = torch.stack([_pad_rank(realigner.key_basis(d).at(), 2, rank_pad) for d in corrections]).to(device)
         bv = torch.stack([_pad_rank(d.value_basis().at(), 2, rank_pad) for d in corrections]).to(device)
     else:

@@ -27,7 +27,7 @@ def test_writes_json_markdown_and_plots(report):
     for name in ("bench.json", "bench.md", "ttft_per_turn.png", "peak_memory.png", "frontier.png"):
         assert (out / name).stat().st_size > 0, name
     md = (out / "bench.md").read_text()
-    assert all(f"| {m} |" in md for m in METHODS)
+    assert all(f"| {m.label} |" in md for m in METHODS.values())
 
 
 def test_every_method_reports_ttft_memory_fidelity_and_ratios(report):

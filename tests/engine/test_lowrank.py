@@ -1,4 +1,4 @@
-"""Low-rank correction states: SVD reconstruction, Eckart-Young error, byte counts, chaining."""
+"""Correction states: SVD reconstruction, Eckart-Young error, quantized full-rank rows, byte counts, chaining."""
 from __future__ import annotations
 
 import pytest
@@ -219,3 +219,31 @@ def test_strongest_rows_keep_the_requested_energy_with_the_fewest_rows():
     masks = strongest_rows([a, b], [a, b], 0.9)
     assert masks[0].tolist() == [False, True, False, False, True, False] and not masks[1].any()
     assert all(m.all() for m in strongest_rows([a, b], [a, b], 1.0))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_value_rows_are_kept_full_rank_without_a_basis(bits):
+    """value_bits: the keys are factored, the value rows are the deviation itself quantized per row
+    (B_v is the identity and holds no bytes); a joint basis splits them per segment."""
+    dk, dv = _devs(30)
+    rows = torch.arange(0, 60, 2)
+    state = compress(dk, dv, rows, 4, dtype=torch.int8, value_bits=bits)
+    assert state.bv is None and state.value_basis().plain_identity and state.value_coeffs().bits == bits
+    assert state.value_coeffs().rank == D and state.key_coeffs().rank == 4 and state.rank == D
+    got_v = _dense_all(state)[1]
+    rel = ((got_v - dv).norm() / dv.norm()).item()
+    assert rel < (0.12 if bits == 4 else 0.006), rel
+    codes = L * KVH * 30 * D * bits // 8
+    k_bytes = L * KVH * 30 * 4 + L * KVH * 4 * D * 2       # int8 U_k, bf16 B_k
+    assert state.nbytes == k_bytes + codes + L * KVH * 30 * 2 + rows.numel() * 8
+    assert unique_nbytes([state], bases_only=True) == L * KVH * 4 * D * 2
+    parts = compress_joint([dk[:, :, :10], dk[:, :, 10:]], [dv[:, :, :10], dv[:, :, 10:]],
+                           [rows[:10], rows[10:]], 4, torch.int8, value_bits=bits)
+    assert all(p.bv is None and p.rv.shape[2] == p.num_rows for p in parts)
+    assert torch.equal(torch.cat([_dense_all(p)[1] for p in parts], 2), got_v)
+    again = compose([state], rank=4)                      # recompressed in the same form
+    assert again.bv is None and again.value_coeffs().bits == bits
+    with pytest.raises(ValueError, match="row scales"):
+        LowRankDelta(rows, state.uk, state.bk, state.uv, None)
+    with pytest.raises(ValueError, match="B factors"):
+        LowRankDelta(rows, state.uk, None, state.uv, None, rv=state.rv)

@@ -44,6 +44,8 @@ def _state(nrows_seg: int, rows: torch.Tensor, rank: int, kv_heads: int, dim: in
     dk = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
     dv = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
     assert rows.numel() == 0 or rows.max() < nrows_seg
+    if rank == "rows4":                     # low-rank keys, values as 4-bit quantized rows (identity basis)
+        return compress(dk, dv, rows, 16, dtype=torch.int8, value_bits=4)
     return compress(dk, dv, rows, rank)
 
 
@@ -82,11 +84,11 @@ def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, seed):
 
 
 @pytest.mark.parametrize("dim,group,kv_heads", [(64, 1, 2), (128, 3, 2), (64, 4, 1)])
-@pytest.mark.parametrize("rank", [0, 4, 16])
+@pytest.mark.parametrize("rank", [0, 4, 16, "rows4"])
 @pytest.mark.parametrize("rows_mode", ["none", "some", "all"])
 @pytest.mark.parametrize("tq", [1, 4])
 def test_matches_materialized_oracle(dim, group, kv_heads, rank, rows_mode, tq):
-    args = _scenario(dim, group, kv_heads, rank, rows_mode, chain=False, tq=tq, seed=dim + group + rank + tq)
+    args = _scenario(dim, group, kv_heads, rank, rows_mode, chain=False, tq=tq, seed=dim + group + (rank if isinstance(rank, int) else 99) + tq)
     for layer in range(LAYERS):
         out, mass = view_attention(*args[:5], layer, *args[5:], return_mass=True)
         ref_out, ref_mass = oracle(*args[:5], layer, *args[5:])

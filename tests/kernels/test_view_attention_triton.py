@@ -23,7 +23,7 @@ ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, lengths=(6, 37, 23), factors=None,
-              int8_basis=False):
+              int8_basis=False, value_bits=0):
     """Own prefix + two reused segments (deltas 13 and -4) + own tail whose last tq tokens query."""
     g = torch.Generator().manual_seed(seed)
     slots_total = 400
@@ -40,7 +40,7 @@ def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, len
                 "some": torch.randperm(n, generator=g)[: n // 3 + 1]}[rows_mode]
         dk = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
         dv = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
-        return compress(dk, dv, rows, rank, dtype=factors or dtype, int8_basis=int8_basis)
+        return compress(dk, dv, rows, rank, dtype=factors or dtype, int8_basis=int8_basis, value_bits=value_bits)
 
     pieces = [OwnPiece(slots[0], pos[0])]
     for i, delta in enumerate((13, -4)):
@@ -110,6 +110,20 @@ def test_int8_factors_match_oracle(dtype, int8_basis):
     seg = pieces[1]
     assert seg.deltas[0].uk.dtype == torch.int8
     assert seg.deltas[0].bk.dtype == (torch.int8 if int8_basis else torch.bfloat16)
+    pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
+                             [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
+    _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_value_rows_match_oracle(dtype, bits):
+    """The default storage: int8 low-rank keys, values kept full rank as rows quantized per row (an
+    identity B_v, read by the kernel as a rank-head_dim factor); the chain's first state owes a shift."""
+    q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=13,
+                                                        factors=torch.int8, value_bits=bits)
+    seg = pieces[1]
+    assert seg.deltas[0].bv is None and seg.deltas[0].value_coeffs().bits == bits
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
                              [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
     _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)

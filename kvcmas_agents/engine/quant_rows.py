@@ -1,0 +1,47 @@
+"""Deviation rows quantized per row: the storage of full-rank correction states (no SVD, no basis).
+
+Each (layer, KV head, row) of a deviation [L, KVH, R, D] keeps one bf16 scale (its largest magnitude
+maps to the top code) and D codes: int8 for 8 bits, or two 4-bit codes per byte for 4 bits (dims
+[0, D/2) in the low nibble, [D/2, D) in the high one, each offset by 8 so that it is unsigned).
+"""
+from __future__ import annotations
+
+import torch
+
+BITS: tuple[int, ...] = (4, 8)
+
+
+def _top(bits: int) -> int:
+    if bits not in BITS:
+        raise ValueError(f"rows are quantized to one of {BITS} bits, not {bits}")
+    return 2 ** (bits - 1) - 1
+
+
+def quantize_rows(d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """d [..., R, D] -> (codes, scale [..., R, 1] bf16); codes int8 [..., R, D] or uint8 [..., R, D/2]."""
+    top = _top(bits)
+    x = d.float()
+    scale = (x.abs().amax(-1, keepdim=True) / top).to(torch.bfloat16)
+    safe = scale.float().clamp_min(torch.finfo(torch.float32).tiny)    # the stored scale is the one used
+    q = torch.round(x / safe).clamp_(-top, top)
+    if bits == 8:
+        return q.to(torch.int8), scale
+    if d.shape[-1] % 2:
+        raise ValueError(f"4-bit rows need an even width, got {d.shape[-1]}")
+    u = (q + 8).to(torch.uint8)
+    half = d.shape[-1] // 2
+    return u[..., :half] | (u[..., half:] << 4), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The rows back in ``dtype`` [..., R, D] from ``quantize_rows``'s codes and scale."""
+    if codes.dtype == torch.uint8:
+        codes = torch.cat([codes & 15, codes >> 4], dim=-1).to(dtype).sub_(8)
+    else:
+        codes = codes.to(dtype)
+    return codes.mul_(scale.to(dtype))
+
+
+def row_width(codes: torch.Tensor) -> int:
+    """Width D of the rows these codes hold."""
+    return codes.shape[-1] * (2 if codes.dtype == torch.uint8 else 1)
