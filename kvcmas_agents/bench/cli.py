@@ -37,6 +37,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/results/bench", help="output folder")
     parser.add_argument("--model", default=None, help="checkpoint dir, .gguf, or random:<shape> (GPU speed runs)")
     parser.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="model and KV dtype (default: bf16 on CUDA, fp32 on CPU); bfloat16 on CPU "
+                             "measures the memory a GPU run holds")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     sweep = sweep_methods(ratios, ranks, prefetch_ratios, no_prefetch)
     cfg = BenchConfig(traces, list(args.methods), sweep, traces[0].name, args.eval_tokens, args.decode == "full",
                       args.throughput_tokens, args.model, args.device,
-                      args.kv_budget_mib * 2**20 if args.kv_budget_mib else None)
+                      args.kv_budget_mib * 2**20 if args.kv_budget_mib else None, args.dtype)
     result = asyncio.run(run_bench(cfg))
     result["config"]["preset"] = args.preset
     command = "kvcmas bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else ""

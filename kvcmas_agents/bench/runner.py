@@ -44,6 +44,7 @@ class BenchConfig:
     model: str | None = None
     device: str = "cpu"
     kv_budget_bytes: int | None = None
+    dtype: str | None = None          # None: the engine's default (bf16 on CUDA, fp32 on CPU)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -66,6 +67,8 @@ class _Bench:
 
     def engine(self, method: Method) -> Engine:
         extra = {"kv_budget_bytes": self.cfg.kv_budget_bytes} if self.cfg.kv_budget_bytes else {}
+        if self.cfg.dtype:
+            extra["dtype"] = self.cfg.dtype
         engine = Engine(method.config(self.cfg.model, self.cfg.device, **extra))
         self.cuda = engine.device.type == "cuda"
         return engine

@@ -65,3 +65,44 @@ def test_sweep_and_throughput(report):
     assert point["fidelity"]["first_token_kl_max"] < 1e-4            # ratio 1.0 is exact
     for t in entry["throughput"]:
         assert t["concurrent_tok_s"] > 0 and t["sequential_tok_s"] > 0 and t["max_batch_seqs"] >= 2
+
+
+def test_the_long_trace_fits_the_default_models_window_with_room_for_its_replies():
+    """The long preset's first prompt leaves room for the history to grow by every later turn's reply
+    (96 tokens plus frame and hand-off) inside the default model's 8,192 tokens, and is long enough to
+    pass 7,000 tokens before it grows (the exact pass measures >= 8,000 shared at the end)."""
+    from kvcmas_agents.bench.traces import get_traces
+    from kvcmas_agents.engine.chat import ChatFormatter
+    from kvcmas_agents.engine.loader import load_model
+    from kvcmas_agents.fidelity.scenarios import MODERATOR, prompt_messages
+
+    loaded = load_model(None, "cpu", None, None)
+    window = loaded.args.max_position_embeddings
+    (trace,) = get_traces("long")
+    rnd, agents, handoff = trace.scenario.schedule()[0]
+    first = ChatFormatter(loaded.tokenizer, window).render(prompt_messages(trace.scenario, agents[0],
+                                                                          [(MODERATOR, handoff)])).token_ids
+    later_turns = sum(len(a) for _, a, _ in trace.scenario.schedule()) - 1
+    assert 7000 <= len(first) <= window - later_turns * 130, (len(first), window)
+
+
+def test_dtype_option_sets_the_engines_model_and_kv_dtype():
+    """``--dtype bfloat16`` on CPU builds every method's engine in bf16 (the memory a GPU run holds)."""
+    import argparse
+    import asyncio
+
+    import torch
+
+    from kvcmas_agents.bench.cli import add_args
+    from kvcmas_agents.bench.runner import BenchConfig, _Bench
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert parser.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert parser.parse_args([]).dtype is None
+    engine = _Bench(BenchConfig([], device="cpu", dtype="bfloat16"), print).engine(METHODS["kvcmas"])
+    try:
+        assert engine.model.dtype == torch.bfloat16
+        assert engine.stats()["dtype"] == "bfloat16" and engine.store.k.dtype == torch.bfloat16
+    finally:
+        asyncio.run(engine.aclose())
