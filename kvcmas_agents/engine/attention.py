@@ -55,6 +55,28 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     return grouped_attention(q, k, v, scale, visible)[0]
 
 
+# Rows recomputed inside a reused range attend in chunks of queries, each chunk's keys cut at its last
+# row, so the causal upper half is never scored (a full [rows, ctx] mask scores it and masks it out).
+# Measured on 2 CPU threads, SmolLM2 heads, half of an 8,000-token view's rows: 1.74 s -> 0.84 s a layer.
+ROW_CHUNK = 256
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
+                   chunk: int = ROW_CHUNK) -> torch.Tensor:
+    """Causal attention of queries at ``positions`` [n] (ascending for speed, any order is correct) over
+    keys at positions [0, ctx): query i sees keys up to positions[i]. q [n, H, D], k/v [ctx, KVH, D]."""
+    outs = []
+    for s in range(0, q.shape[0], chunk):
+        pos = positions[s:s + chunk]
+        hi = min(int(pos.max()) + 1, k.shape[0])
+        visible = torch.arange(hi, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)
+        out = F.scaled_dot_product_attention(q[s:s + chunk].transpose(0, 1), k[:hi].transpose(0, 1),
+                                             v[:hi].transpose(0, 1), attn_mask=visible, scale=scale,
+                                             enable_gqa=True)
+        outs.append(out.transpose(0, 1))
+    return torch.cat(outs) if outs else q.new_zeros(q.shape)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of the last n = len(q) positions of a context of len(k) tokens.
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .anchors import AnchorPool
+from .attention import rows_attention
 from .cacheblend import CacheBlend
 from .config import CROSS_AGENT_MODES, PRIVATE_COPY_MODES
 from .kv_store import KVStore
@@ -282,7 +282,6 @@ class Corrector:
         new_slots = {id(p): self.store.slots(req.blocks, p.start, p.end) for p in new}
         dks: dict[int, list] = {id(p): [] for p in pending}
         dvs: dict[int, list] = {id(p): [] for p in pending}
-        visible = torch.arange(b, device=dev).unsqueeze(0) <= sel_pos.unsqueeze(1)
         for layer in range(m.args.num_layers):
             q, k_new, v_new = m.qkv(layer, h, sel_pos)
             for p in new:                                          # new text: exact, kept in own blocks
@@ -293,9 +292,7 @@ class Corrector:
                 dks[id(p)].append((kn - kk[rows]).permute(1, 0, 2))
                 dvs[id(p)].append((vn - vv[rows]).permute(1, 0, 2))
                 kk[rows], vv[rows] = kn, vn
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                                  attn_mask=visible, scale=m.scale,
-                                                  enable_gqa=True).transpose(0, 1)
+            attn = rows_attention(q, kk, vv, sel_pos, m.scale)
             h = m.finish_layer(layer, h, attn)
         full = req.options.recompute_ratio >= 1.0
         for p in new:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 import torch
-import torch.nn.functional as F
 
+from .attention import rows_attention
 from .request import Request, ReusePiece
 
 if TYPE_CHECKING:
@@ -51,13 +51,11 @@ def recompute_rows(corr: "Corrector", req: Request, positions: torch.Tensor, hoo
     keep the KV written so far and their stored KV from the deeper layers.
     """
     m, store, dev = corr.model, corr.store, corr.model.device
-    b = req.reuse_end
     ctx = context_slots(corr, req)
     pos = positions.to(dev)
     if pos.numel() == 0:
         return
     h = m.embed(torch.tensor(req.prompt_ids, device=dev)[pos])
-    keys = torch.arange(b, device=dev)
     for layer in range(m.args.num_layers):
         q, k, v = m.qkv(layer, h, pos)
         slots = ctx[pos]
@@ -67,10 +65,7 @@ def recompute_rows(corr: "Corrector", req: Request, positions: torch.Tensor, hoo
             q, h, pos = q[keep], h[keep], pos[keep]
             if pos.numel() == 0:
                 return
-        visible = keys.unsqueeze(0) <= pos.unsqueeze(1)
-        kk, vv = store.k[layer][ctx], store.v[layer][ctx]
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1), kk.transpose(0, 1), vv.transpose(0, 1),
-                                              attn_mask=visible, scale=m.scale, enable_gqa=True).transpose(0, 1)
+        attn = rows_attention(q, store.k[layer][ctx], store.v[layer][ctx], pos, m.scale)
         h = m.finish_layer(layer, h, attn)
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcmas_agents.engine.attention import SMALL_QUERY, sdpa
+from kvcmas_agents.engine.attention import SMALL_QUERY, rows_attention, sdpa
 
 
 def _reference(q, k, v, scale):
@@ -38,3 +38,20 @@ def test_later_queries_see_more_keys():
     b = sdpa(q, k2, v2, 0.3)
     torch.testing.assert_close(a[:3], b[:3])
     assert not torch.allclose(a[3], b[3])
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 256])
+def test_rows_attention_matches_one_full_mask_whatever_the_chunking(chunk):
+    """Rows at scattered positions see every key up to their own position, chunked or not, in any order."""
+    torch.manual_seed(3)
+    ctx, n = 40, 17
+    q, k, v = torch.randn(n, 6, 8), torch.randn(ctx, 2, 8), torch.randn(ctx, 2, 8)
+    pos = torch.randperm(ctx)[:n]
+    pos[:8] = pos[:8].sort().values
+    visible = torch.arange(ctx).unsqueeze(0) <= pos.unsqueeze(1)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=visible, scale=0.3, enable_gqa=True).transpose(0, 1)
+    out = rows_attention(q, k, v, pos, 0.3, chunk=chunk)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert rows_attention(q[:0], k, v, pos[:0], 0.3).shape == (0, 6, 8)
