@@ -42,8 +42,9 @@ FULL = (Trace("pipeline", PIPELINE.with_rounds(4), 96), Trace("debate", DEBATE.w
         Trace("fanout", FANOUT.with_rounds(3), 96))
 # Long context (GPU): a ~7,700-token design document in the task and one pipeline round, so the shared
 # history passes 8,000 tokens inside the default model's 8,192-token window. One round, because each
-# turn adds 90-111 tokens (a reply of up to 96 and its frame, measured): over 7 later turns that spread
-# no longer fits the window's last 190 tokens; over 3 it does.
+# turn adds 90-111 tokens (a reply of up to 96 and its frame, measured): over 7 later turns the growth
+# varies by about 150 tokens, more than the room between 8,000 shared tokens and the window's end
+# (about 125); over 3 it varies by about 60.
 LONG = (Trace("pipeline-long", _with_document(PIPELINE, 3030).with_rounds(1), 96),)
 TINY = (Trace("csv", CSV, 8),)          # the test suite's smoke trace
 

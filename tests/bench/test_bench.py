@@ -70,8 +70,8 @@ def test_sweep_and_throughput(report):
 def test_the_long_trace_fits_the_default_models_window_with_room_for_its_replies():
     """The long preset's first prompt leaves room inside the default model's 8,192 tokens for the history
     to grow by every later turn (exact passes measured 90-111 tokens a turn: a reply of up to 96
-    tokens and its frame), and is long enough that it passes 8,000 shared tokens by the last turn (the exact pass
-    measures and reports that)."""
+    tokens and its frame), and is long enough that it passes 8,000 shared tokens by the last turn (the
+    exact pass measures and reports that)."""
     from kvcmas_agents.bench.traces import get_traces
     from kvcmas_agents.engine.chat import ChatFormatter
     from kvcmas_agents.engine.loader import load_model
@@ -80,7 +80,7 @@ def test_the_long_trace_fits_the_default_models_window_with_room_for_its_replies
     loaded = load_model(None, "cpu", None, None)
     window = loaded.args.max_position_embeddings
     (trace,) = get_traces("long")
-    rnd, agents, handoff = trace.scenario.schedule()[0]
+    _, agents, handoff = trace.scenario.schedule()[0]
     first = ChatFormatter(loaded.tokenizer, window).render(prompt_messages(trace.scenario, agents[0],
                                                                           [(MODERATOR, handoff)])).token_ids
     later_turns = sum(len(a) for _, a, _ in trace.scenario.schedule()) - 1
