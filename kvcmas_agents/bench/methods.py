@@ -18,10 +18,11 @@ class Method:
     prefetch: bool | None = None
     prefetch_ratio: float | None = None
     value_bits: int | None = None
+    key_bits: int | None = None
 
     def _knobs(self) -> dict:
         return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio",
-                                              "value_bits") if getattr(self, k) is not None}
+                                              "value_bits", "key_bits") if getattr(self, k) is not None}
 
     def config(self, model: str | None, device: str, **extra) -> EngineConfig:
         return EngineConfig(model=model, device=device, reuse=self.reuse, **self._knobs(), **extra)
@@ -29,7 +30,7 @@ class Method:
     @property
     def label(self) -> str:
         short = {"recompute_ratio": "r", "rank": "k", "reference": "ref", "prefetch": "prefetch",
-                 "prefetch_ratio": "pr", "value_bits": "vbits"}
+                 "prefetch_ratio": "pr", "value_bits": "vbits", "key_bits": "kbits"}
         knobs = self._knobs()
         if not knobs:
             return self.name
@@ -45,6 +46,8 @@ METHODS: dict[str, Method] = {
     "kvcmas": Method("kvcmas", "kvcmas"),              # ours, engine-default knobs
     # ours with the values kept as 4-bit rows (EngineConfig.value_bits): fewer bytes, see README
     "kvcmas-v4": Method("kvcmas-v4", "kvcmas", value_bits=4),
+    # ours with keys and values as 4-bit rows (EngineConfig.key_bits, value_bits): no SVD at all
+    "kvcmas-kv4": Method("kvcmas-kv4", "kvcmas", value_bits=4, key_bits=4),
 }
 DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
 

@@ -66,7 +66,11 @@ class EngineConfig:
         B_v). On the bench pipeline 4 cuts correction bytes 70.0 -> 54.5 MiB (peak 146.7 -> 131.2 MiB)
         at equal or lower KL, but over 38 bench turns one more greedy near-tie (0.082 top-2 gap) broke,
         which makes the fidelity harness's debate agreement 0.896; see README, "Correction storage".
-        The keys stay low-rank either way: 4-bit key rows cost fidelity (keys enter the logits).
+    key_bits: 0 (default) factors the keys (rank-``rank`` SVD); 4 or 8 keeps them full rank as rows
+        quantized to that many bits, each channel first divided by its RMS over the rows (one bf16 scale
+        per channel, layer and KV head, shared by a request's states) and each row then by its own
+        bf16 scale. Without the channel scales, 4-bit key rows cost fidelity: keys carry a few large
+        channels that set a per-row scale and round the rest coarsely (README, "Correction storage").
     correction_energy: share of a correcting request's squared deviation (summed over K and V, layers
         and heads) that its stored corrections keep: recomputed rows are stored strongest first until
         they hold it, and the faint rest revert to the reference; stats()["correction_rows_dropped"]
@@ -103,6 +107,7 @@ class EngineConfig:
     basis: str = "request"
     correction_dtype: str = "int8"
     value_bits: int = 0
+    key_bits: int = 0
     correction_energy: float = 1.0
     # attention over corrected views: "auto" (Triton kernel on CUDA, else "gather"), "gather" (torch,
     # gathered keys + SDPA), "query" (torch view_attention), "triton" (the kernel; TRITON_INTERPRET on CPU)
@@ -125,8 +130,10 @@ class EngineConfig:
             raise ValueError(f"prefetch_ratio must be in [0, 1], got {self.prefetch_ratio}")
         if not 0.0 < self.correction_energy <= 1.0:
             raise ValueError(f"correction_energy must be in (0, 1], got {self.correction_energy}")
-        if self.value_bits not in VALUE_BITS or isinstance(self.value_bits, bool):
-            raise ValueError(f"value_bits must be one of {VALUE_BITS}, got {self.value_bits!r}")
+        for name in ("value_bits", "key_bits"):
+            bits = getattr(self, name)
+            if bits not in VALUE_BITS or isinstance(bits, bool):
+                raise ValueError(f"{name} must be one of {VALUE_BITS}, got {bits!r}")
         if self.correction_dtype not in CORRECTION_DTYPES:
             raise ValueError(f"correction_dtype must be one of {CORRECTION_DTYPES}, got {self.correction_dtype!r}")
         if self.basis not in BASES:

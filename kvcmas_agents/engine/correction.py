@@ -49,6 +49,7 @@ class Corrector:
         self.state_dtype: torch.dtype | None = None    # factors' storage dtype (None: the KV dtype)
         self.int8_basis = False        # correction_dtype "int8_basis": B in int8 too
         self.value_bits = 0            # EngineConfig.value_bits: value rows kept full rank, quantized per row
+        self.key_bits = 0              # EngineConfig.key_bits: key rows so too, after per-channel scales
         self.newest_whole = True       # EngineConfig.recompute_newest
         self.keep_energy = 1.0         # EngineConfig.correction_energy
         self.rows_dropped = 0          # recomputed rows whose deviation was too faint to store
@@ -309,11 +310,11 @@ class Corrector:
             dk = [x[:, :, mk] for x, mk in zip(dk, masks)]
             dv = [x[:, :, mk] for x, mk in zip(dv, masks)]
             rows_of = [r[mk.to(r.device)] for r, mk in zip(rows_of, masks)]
-        dtype, vbits = (None, 0) if full else (self.state_dtype, self.value_bits)
+        dtype, vbits, kbits = (None, 0, 0) if full else (self.state_dtype, self.value_bits, self.key_bits)
         if self.joint_basis and len(pending) > 1 and not full:
-            states = compress_joint(dk, dv, rows_of, rank, dtype, self.int8_basis, vbits)
+            states = compress_joint(dk, dv, rows_of, rank, dtype, self.int8_basis, vbits, kbits)
         else:
-            states = [compress(k, v, r, rank, dtype, self.int8_basis, vbits) for k, v, r in zip(dk, dv, rows_of)]
+            states = [compress(k, v, r, rank, dtype, self.int8_basis, vbits, kbits) for k, v, r in zip(dk, dv, rows_of)]
         for p, state in zip(pending, states):
             self._store(req, p, state, sel[id(p)].numel())     # recomputed, whether stored or not
 

@@ -4,9 +4,10 @@ For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per 
 (likewise for V), with ``U`` [L, KVH, R, r] and ``B`` [L, KVH, r, D]. Each side (K, V) is
 - low rank: a rank-r truncated SVD, singular values folded into U; an int8 U's per-component scales
   fold into B, and an int8 B (``int8_basis``) carries one fp32 scale per component (``sk``/``sv``); or
-- full rank (``compress(value_bits=...)`` does this for the values): U is the deviation rows
-  themselves, quantized per row to 4 or 8 bits with one bf16 scale per row and head (``rk``/``rv``),
-  and B is the identity (not stored).
+- full rank (``compress(value_bits=...)`` for the values, ``key_bits=...`` for the keys): U is the
+  deviation rows themselves, quantized per row to 4 or 8 bits with one bf16 scale per row and head
+  (``rk``/``rv``), key rows after dividing by one bf16 scale per channel (``ck``), and B is the
+  identity (not stored).
 Readers get U through ``Coeffs`` and B through ``Basis``, which dequantize them and, for keys, apply
 the state's pending position ``shift``.
 """
@@ -18,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from .quant_rows import dequantize_rows, quantize_rows, row_width
+from .quant_rows import channel_scale, dequantize_rows, normalized, quantize_rows, row_width
 from .rope import rotate
 
 
@@ -31,7 +32,8 @@ class LowRankDelta:
     ``Realigner.rotate_delta``), applied when read, so a moved state shares its tensors instead of
     holding a rotated copy. ``sk``/``sv`` [L, KVH, r, 1] are the per-component scales of int8 B factors.
     ``rk``/``rv`` [L, KVH, R, 1] are the per-row scales of a full-rank side's quantized rows (U int8,
-    or uint8 with two 4-bit codes per byte); its B factor is None: the identity.
+    or uint8 with two 4-bit codes per byte); its B factor is None: the identity. ``ck``/``cv``
+    [L, KVH, 1, D] are optional per-channel scales of such rows (shared by the states of a joint basis).
     """
 
     rows: torch.Tensor          # LongTensor [R], unique indices into the segment's tokens
@@ -44,17 +46,21 @@ class LowRankDelta:
     shift: int = 0
     rk: torch.Tensor | None = None
     rv: torch.Tensor | None = None
+    ck: torch.Tensor | None = None
+    cv: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         layers, heads, nrows, _ = self.uk.shape
         if self.rows.shape != (nrows,) or self.uv.shape[:3] != (layers, heads, nrows):
             raise ValueError(f"rows {tuple(self.rows.shape)} do not match factors {tuple(self.uk.shape)}")
-        for u, b, r in ((self.uk, self.bk, self.rk), (self.uv, self.bv, self.rv)):
+        for u, b, r, c in ((self.uk, self.bk, self.rk, self.ck), (self.uv, self.bv, self.rv, self.cv)):
             if r is None and (u.dtype == torch.uint8 or b is None):
                 raise ValueError("a low-rank state needs B factors (only quantized rows with row scales have none)")
             if r is not None and (u.dtype not in (torch.int8, torch.uint8) or r.shape != (*u.shape[:3], 1)):
                 raise ValueError("quantized rows are int8 or uint8 (4-bit) with row scales [L, KVH, R, 1]")
             rank = row_width(u) if r is not None else u.shape[3]
+            if c is not None and (r is None or c.shape != (layers, heads, 1, rank)):
+                raise ValueError("channel scales [L, KVH, 1, D] belong to quantized rows only")
             if b is not None and b.shape[:3] != (layers, heads, rank):
                 raise ValueError("U and B factors disagree on rank or layout")
         for b, s in ((self.bk, self.sk), (self.bv, self.sv)):
@@ -92,15 +98,15 @@ class LowRankDelta:
         return own + self.basis_tensors()
 
     def basis_tensors(self) -> tuple[torch.Tensor, ...]:
-        """The B factors and their scales (what a joint basis shares)."""
-        return tuple(t for t in (self.bk, self.sk, self.bv, self.sv) if t is not None)
+        """The B factors and their scales, and the rows' channel scales (what a joint basis shares)."""
+        return tuple(t for t in (self.bk, self.sk, self.bv, self.sv, self.ck, self.cv) if t is not None)
 
     def key_coeffs(self) -> "Coeffs":
         """U_k as readers need it (dequantized when read)."""
-        return Coeffs(self.uk, self.rk)
+        return Coeffs(self.uk, self.rk, self.ck)
 
     def value_coeffs(self) -> "Coeffs":
-        return Coeffs(self.uv, self.rv)
+        return Coeffs(self.uv, self.rv, self.cv)
 
     def key_basis(self, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Basis":
         """B_k as readers need it; ``cos_sin`` rotates it by ``shift`` (``Realigner.key_basis`` passes it)."""
@@ -125,7 +131,7 @@ class LowRankDelta:
     def to(self, device: torch.device | str) -> "LowRankDelta":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return LowRankDelta(*(move(t) for t in (self.rows, self.uk, self.bk, self.uv, self.bv, self.sk, self.sv)),
-                            shift=self.shift, rk=move(self.rk), rv=move(self.rv))
+                            shift=self.shift, rk=move(self.rk), rv=move(self.rv), ck=move(self.ck), cv=move(self.cv))
 
 
 @lru_cache(maxsize=16)
@@ -136,10 +142,12 @@ def _eye(layers: int, heads: int, dim: int, device: torch.device) -> torch.Tenso
 
 @dataclass(frozen=True)
 class Coeffs:
-    """A U factor [L, KVH, R, r] as read: plain, or quantized rows dequantized by their row ``scale``."""
+    """A U factor [L, KVH, R, r] as read: plain, or quantized rows dequantized by their row ``scale``
+    (and, if given, their ``channel`` scales [L, KVH, 1, D])."""
 
     u: torch.Tensor
     scale: torch.Tensor | None = None
+    channel: torch.Tensor | None = None
 
     @property
     def rank(self) -> int:
@@ -154,7 +162,8 @@ class Coeffs:
         """One layer's coefficients [KVH, R, r] (or all of them for the default slice), in ``dtype``."""
         if self.scale is None:
             return self.u[layer].to(dtype)
-        return dequantize_rows(self.u[layer], self.scale[layer], dtype)
+        rows = dequantize_rows(self.u[layer], self.scale[layer], dtype)
+        return rows if self.channel is None else rows.mul_(self.channel[layer].to(dtype))
 
 
 @dataclass(frozen=True)
@@ -226,14 +235,17 @@ def _quantized(u: torch.Tensor, b: torch.Tensor,
 
 
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
-             dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0) -> LowRankDelta:
+             dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
+             key_bits: int = 0) -> LowRankDelta:
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
     Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
     factors are stored in ``dtype`` (default: dk's dtype). ``torch.int8`` stores U quantized per
     component with B in bf16, or B in int8 too with ``int8_basis`` (see ``_quantized``). With
     ``value_bits`` (4 or 8) only the keys are factored: the value rows are kept full rank, quantized
-    per row to that many bits with one bf16 scale per row and head, and B_v is the identity.
+    per row to that many bits with one bf16 scale per row and head, and B_v is the identity. With
+    ``key_bits`` the key rows are kept so too, each channel divided first by its scale over the rows
+    (``quant_rows.channel_scale``); no SVD runs for a side kept as rows.
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")
@@ -245,12 +257,17 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
         raise ValueError(f"rank must be >= 0, got {rank}")
     dtype = dtype or dk.dtype
     rows = rows.to(device=dk.device, dtype=torch.long)
-    uk, bk, sk = _factored(dk, rank, dtype, int8_basis)
+    rk = ck = rv = None
+    if key_bits:
+        ck = channel_scale(dk)
+        (uk, rk), bk, sk = quantize_rows(normalized(dk, ck), key_bits), None, None
+    else:
+        uk, bk, sk = _factored(dk, rank, dtype, int8_basis)
     if value_bits:
-        uv, rv = quantize_rows(dv, value_bits)
-        return LowRankDelta(rows, uk, bk, uv, None, sk, rv=rv)
-    uv, bv, sv = _factored(dv, rank, dtype, int8_basis)
-    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv)
+        (uv, rv), bv, sv = quantize_rows(dv, value_bits), None, None
+    else:
+        uv, bv, sv = _factored(dv, rank, dtype, int8_basis)
+    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck)
 
 
 def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype,
@@ -263,18 +280,19 @@ def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype,
 
 def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
                    dtype: torch.dtype | None = None, int8_basis: bool = False,
-                   value_bits: int = 0) -> list[LowRankDelta]:
+                   value_bits: int = 0, key_bits: int = 0) -> list[LowRankDelta]:
     """Compress several segments' deviations (each [L, KVH, R_i, D]) against one shared basis.
 
     The segments an agent corrects in one request deviate for the same reason (its own prefix), so
     one rank-``rank`` basis B per layer and KV head serves them all: each segment keeps only its rows'
-    coefficients U_i, and the r x D basis is stored once instead of once per segment.
+    coefficients U_i, and the r x D basis is stored once instead of once per segment (so are the
+    channel scales of key rows, with ``key_bits``).
     """
     if not (len(dks) == len(dvs) == len(rows)) or not dks:
         raise ValueError("compress_joint needs one dk, dv and rows per segment")
     dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
     joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype, int8_basis,
-                     value_bits)   # split below
+                     value_bits, key_bits)   # split below
     out, offset = [], 0
     for r in rows:
         n = r.numel()
@@ -348,8 +366,10 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
         for d, idx in zip(deltas, where):
             dk.index_add_(2, idx, d.key_coeffs().at() @ d.key_basis().at())
             dv.index_add_(2, idx, d.value_coeffs().at() @ d.value_basis().at())
-        return compress(dk, dv, rows, rank, dtype=first.uk.dtype, int8_basis=first.sk is not None,
-                        value_bits=first.value_coeffs().bits)
+        factored = first.uv if first.rk is not None else first.uk          # a side's U that is not rows
+        return compress(dk, dv, rows, rank, dtype=factored.dtype,
+                        int8_basis=first.sk is not None, value_bits=first.value_coeffs().bits,
+                        key_bits=first.key_coeffs().bits)
 
     def scatter_u(us: list[torch.Tensor]) -> torch.Tensor:
         # Each delta's U gets its own rank columns; rows it does not correct stay zero.

@@ -3,6 +3,7 @@
 Each (layer, KV head, row) of a deviation [L, KVH, R, D] keeps one bf16 scale (its largest magnitude
 maps to the top code) and D codes: int8 for 8 bits, or two 4-bit codes per byte for 4 bits (dims
 [0, D/2) in the low nibble, [D/2, D) in the high one, each offset by 8 so that it is unsigned).
+Key rows are first divided by one scale per channel (``channel_scale``), shared by all the rows.
 """
 from __future__ import annotations
 
@@ -40,6 +41,22 @@ def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     else:
         codes = codes.to(dtype)
     return codes.mul_(scale.to(dtype))
+
+
+def channel_scale(d: torch.Tensor) -> torch.Tensor:
+    """One bf16 scale per channel of rows d [..., R, D]: the channel's RMS over the rows, [..., 1, D].
+
+    Key deviations carry a few channels far larger than the rest (as keys do), so one scale per row
+    is set by those and rounds the others coarsely, whatever their share of the logits. Rows divided
+    by their channels' scales (``normalized``) quantize each channel to its own size; the per-row
+    scale then follows the row's size (README, "Correction storage", has the measured errors).
+    """
+    return d.float().pow(2).mean(-2, keepdim=True).sqrt().to(torch.bfloat16)
+
+
+def normalized(d: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
+    """d [..., R, D] divided by its channel scales [..., 1, D] (a zero channel stays zero)."""
+    return d.float() / channel.float().clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def row_width(codes: torch.Tensor) -> int:

@@ -42,16 +42,16 @@ class _Runner:
     """Builds fresh engines (one per mode and knob setting) and times each replay."""
 
     def __init__(self, model: str | None, device: str, knobs: ReuseOptions, log: Log, full_decode: bool = True,
-                 value_bits: int = 0):
+                 value_bits: int = 0, key_bits: int = 0):
         self.model, self.device, self.knobs, self.log = model, device, knobs, log
-        self.full_decode, self.value_bits = full_decode, value_bits
+        self.full_decode, self.value_bits, self.key_bits = full_decode, value_bits, key_bits
 
     def engine(self, reuse: str, knobs: ReuseOptions | None = None) -> Engine:
         k = knobs or self.knobs
         set_knobs = {f: v for f, v in (("recompute_ratio", k.recompute_ratio), ("rank", k.rank),
                                        ("reference", k.reference)) if v is not None}
         return Engine(EngineConfig(model=self.model, device=self.device, reuse=reuse, value_bits=self.value_bits,
-                                   **set_knobs))
+                                   key_bits=self.key_bits, **set_knobs))
 
     async def replay(self, scenario: Scenario, exact: list[ExactTurn], reuse: str, eval_tokens: int,
                      knobs: ReuseOptions | None = None) -> tuple[list[ReplayTurn], dict[str, Any], float]:
@@ -71,23 +71,23 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
                        knobs: ReuseOptions | None = None, reply_tokens: int = 64, eval_tokens: int = 64,
                        sweep: SweepGrid | None = None, sanity_eval_tokens: int = 8, model: str | None = None,
                        device: str = "cpu", log: Log = _stderr, full_decode: bool = True,
-                       value_bits: int = 0) -> dict[str, Any]:
+                       value_bits: int = 0, key_bits: int = 0) -> dict[str, Any]:
     """Measure each reuse mode against the exact run of the same prompts; return a JSON-able dict.
 
     Per scenario: an exact ``reuse="none"`` pass with greedy replies of ``reply_tokens``; then, per mode,
     a fresh engine replays every turn in order, teacher-forced on the first ``eval_tokens`` exact tokens
     (``sanity_eval_tokens`` for the exact-by-construction modes none/prefix); with ``full_decode`` each
     replayed turn decodes its whole exact reply, as an agent does. ``sweep`` replays one of the
-    scenarios over a recompute_ratio x rank grid of kvcmas settings. ``value_bits`` is the engines'
-    EngineConfig.value_bits.
+    scenarios over a recompute_ratio x rank grid of kvcmas settings. ``value_bits`` and ``key_bits``
+    are the engines' EngineConfig.value_bits and key_bits.
     """
     knobs = knobs or ReuseOptions()
-    runner = _Runner(model, device, knobs, log, full_decode, value_bits)
+    runner = _Runner(model, device, knobs, log, full_decode, value_bits, key_bits)
     start = time.perf_counter()
     result: dict[str, Any] = {"config": {
         "model": model, "device": device, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
         "sanity_eval_tokens": sanity_eval_tokens, "modes": list(modes), "knobs": asdict(knobs),
-        "full_decode": full_decode, "value_bits": value_bits,
+        "full_decode": full_decode, "value_bits": value_bits, "key_bits": key_bits,
         "sweep": asdict(sweep) if sweep else None, "kl_units": "nats"}, "scenarios": {}}
     exact_engine = runner.engine("none")
     result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device),

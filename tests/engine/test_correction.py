@@ -245,14 +245,16 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
 
 async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine):
     """The default keeps U in int8 (B in bf16, carrying U's scales) for keys and values; value_bits=4
-    keeps the values as 4-bit rows instead (one bf16 scale per row, no B_v); "int8_basis" keeps B in
-    int8 too. Each stays far closer to exact than the same reuse uncorrected."""
+    keeps the values as 4-bit rows instead (one bf16 scale per row, no B_v), key_bits=4 the keys too
+    (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too. Each stays far closer to
+    exact than the same reuse uncorrected."""
     history = await conversation(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
-    kinds = {"default": {}, "value_rows": {"value_bits": 4}, "int8_basis": {"correction_dtype": "int8_basis"},
+    kinds = {"default": {}, "value_rows": {"value_bits": 4}, "key_rows": {"key_bits": 4, "value_bits": 4},
+             "int8_basis": {"correction_dtype": "int8_basis"},
              "bfloat16": {"correction_dtype": "bfloat16"}, "float32": {"correction_dtype": "float32"}}
-    assert (EngineConfig().correction_dtype, EngineConfig().value_bits) == ("int8", 0)
+    assert (EngineConfig().correction_dtype, EngineConfig().value_bits, EngineConfig().key_bits) == ("int8", 0, 0)
     for kind, knobs in kinds.items():
         eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, **knobs))
         try:
@@ -266,10 +268,11 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
                 assert outs["naive"].usage.reused_tokens == outs[kind].usage.reused_tokens
         finally:
             eng.close()
-    dtypes = {k: ({s.uk.dtype for s in v}, {s.bk.dtype for s in v}, {s.uv.dtype for s in v},
+    dtypes = {k: ({s.uk.dtype for s in v}, {None if s.bk is None else s.bk.dtype for s in v}, {s.uv.dtype for s in v},
                   {None if s.bv is None else s.bv.dtype for s in v}) for k, v in states.items()}
     assert dtypes["default"] == ({torch.int8}, {torch.bfloat16}, {torch.int8}, {torch.bfloat16})
     assert dtypes["value_rows"] == ({torch.int8}, {torch.bfloat16}, {torch.uint8}, {None})
+    assert dtypes["key_rows"] == ({torch.uint8}, {None}, {torch.uint8}, {None})
     assert dtypes["int8_basis"] == ({torch.int8}, {torch.int8}, {torch.int8}, {torch.int8})
     assert dtypes["bfloat16"][0] == {torch.bfloat16} and dtypes["float32"][0] == {torch.float32}
     u_bytes = {d: sum(s.uk.nbytes + s.uv.nbytes for s in states[d]) for d in ("default", "bfloat16", "float32")}
@@ -278,7 +281,7 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     assert b_bytes["default"] == b_bytes["bfloat16"] == 2 * b_bytes["value_rows"]      # no B_v with value rows
     assert b_bytes["bfloat16"] * 2 == b_bytes["float32"] and b_bytes["int8_basis"] < 0.3 * b_bytes["float32"]
     total = {d: unique_nbytes(states[d]) for d in states}
-    assert total["value_rows"] < 0.85 * total["default"]
+    assert total["key_rows"] < 0.85 * total["value_rows"] < 0.85 ** 2 * total["default"]
     exact = await engine.generate(prompt("coder", history), agent="c-exact", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="none"))
     off = {k: kl(exact.logits[0], o.logits[0]) for k, o in outs.items()}
@@ -359,3 +362,10 @@ async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine)
     assert kl(exact.logits[0], outs[default][1].logits[0]) < 0.01
     with pytest.raises(ValueError, match="correction_energy"):
         EngineConfig(correction_energy=0.0)
+
+
+@pytest.mark.parametrize("name", ["value_bits", "key_bits"])
+@pytest.mark.parametrize("bad", [3, 16, True, -4])
+def test_row_bits_outside_0_4_8_are_refused(name, bad):
+    with pytest.raises(ValueError, match=name):
+        EngineConfig(**{name: bad})

@@ -247,3 +247,43 @@ def test_value_rows_are_kept_full_rank_without_a_basis(bits):
         LowRankDelta(rows, state.uk, state.bk, state.uv, None)
     with pytest.raises(ValueError, match="B factors"):
         LowRankDelta(rows, state.uk, None, state.uv, None, rv=state.rv)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_key_rows_are_kept_full_rank_with_channel_scales(bits):
+    """key_bits: the key rows are the deviation itself, each channel divided by its scale (one bf16
+    [L, KVH, 1, D] shared by a joint basis's segments) and each row by its own; no B_k, no SVD."""
+    dk, dv = _devs(30)
+    dk[..., :2] *= 30.0                                  # large channels, as keys have
+    rows = torch.arange(0, 60, 2)
+    state = compress(dk, dv, rows, 4, dtype=torch.int8, value_bits=bits, key_bits=bits)
+    assert state.bk is None and state.bv is None and state.key_basis().plain_identity
+    assert state.key_coeffs().bits == bits and state.ck.shape == (L, KVH, 1, D) and state.cv is None
+    got_k, got_v = _dense_all(state)
+    small = slice(2, None)
+    rel = ((got_k - dk)[..., small].norm() / dk[..., small].norm()).item()
+    assert rel < (0.2 if bits == 4 else 0.01), rel
+    codes = L * KVH * 30 * D * bits // 8
+    assert state.nbytes == 2 * (codes + L * KVH * 30 * 2) + L * KVH * D * 2 + rows.numel() * 8
+    assert unique_nbytes([state], bases_only=True) == L * KVH * D * 2      # the channel scales
+    parts = compress_joint([dk[:, :, :10], dk[:, :, 10:]], [dv[:, :, :10], dv[:, :, 10:]],
+                           [rows[:10], rows[10:]], 4, torch.int8, value_bits=bits, key_bits=bits)
+    assert parts[0].ck is parts[1].ck and all(p.rk.shape[2] == p.num_rows for p in parts)
+    assert torch.equal(torch.cat([_dense_all(p)[0] for p in parts], 2), got_k)
+    assert unique_nbytes(parts) == state.nbytes
+    again = compose([state], rank=4)                      # recompressed in the same form
+    assert again.bk is None and again.key_coeffs().bits == bits and again.ck is not None
+    moved = state.to("cpu")
+    assert torch.equal(moved.ck, state.ck)
+    with pytest.raises(ValueError, match="channel scales"):
+        LowRankDelta(rows, state.uk, state.bk, state.uv, state.bv, rk=state.rk, rv=state.rv,
+                     ck=state.ck[:, :, :, :4])
+
+
+def test_key_rows_with_factored_values():
+    """key_bits without value_bits: the values keep their rank-r factors in the requested dtype."""
+    dk, dv = _devs(20)
+    state = compress(dk, dv, torch.arange(20), 4, dtype=torch.int8, key_bits=8)
+    assert state.bk is None and state.uv.dtype == torch.int8 and state.bv.dtype == torch.bfloat16
+    again = compose([state], rank=4)
+    assert again.uv.dtype == torch.int8 and again.bk is None

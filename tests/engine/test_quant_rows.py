@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.quant_rows import dequantize_rows, quantize_rows, row_width
+from kvcmas_agents.engine.quant_rows import channel_scale, dequantize_rows, normalized, quantize_rows, row_width
 
 
 @pytest.mark.parametrize("bits, top", [(4, 7), (8, 127)])
@@ -40,3 +40,30 @@ def test_zero_rows_stay_zero_and_bad_widths_or_bits_raise():
         quantize_rows(torch.randn(1, 1, 2, 5), 4)
     with pytest.raises(ValueError, match="bits"):
         quantize_rows(torch.randn(1, 1, 2, 4), 3)
+
+
+def test_channel_scales_round_small_channels_to_their_own_size():
+    """A few channels far larger than the rest (as keys have) set each row's scale; dividing by the
+    channels' RMS first keeps the small channels' relative error near the 4-bit step."""
+    torch.manual_seed(0)
+    size = torch.ones(64)
+    size[:4] = 40.0                                      # four large channels
+    d = torch.randn(2, 3, 200, 64) * size
+    small = slice(4, None)
+    plain = dequantize_rows(*quantize_rows(d, 4))
+    ch = channel_scale(d)
+    assert ch.shape == (2, 3, 1, 64) and ch.dtype == torch.bfloat16
+    assert torch.allclose(ch.float(), d.pow(2).mean(-2, keepdim=True).sqrt(), rtol=1e-2)
+    scaled = dequantize_rows(*quantize_rows(normalized(d, ch), 4)) * ch.float()
+    err = lambda x: ((x - d)[..., small].norm() / d[..., small].norm()).item()  # noqa: E731
+    assert err(plain) > 0.5 and err(scaled) < 0.2, (err(plain), err(scaled))
+    assert ((scaled - d).norm() / d.norm()) < ((plain - d).norm() / d.norm())
+
+
+def test_a_zero_channel_stays_zero_under_channel_scales():
+    d = torch.randn(1, 1, 5, 8)
+    d[..., 3] = 0.0
+    ch = channel_scale(d)
+    assert ch[..., 3].item() == 0.0
+    back = dequantize_rows(*quantize_rows(normalized(d, ch), 8)) * ch.float()
+    assert torch.isfinite(back).all() and (back[..., 3] == 0).all()

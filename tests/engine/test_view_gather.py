@@ -13,7 +13,8 @@ from kvcmas_agents.engine.view_gather import build_view, gathered_attention, gat
 
 @pytest.mark.parametrize("head_dim, group, kv_heads, rank, tq", [
     (64, 3, 3, 16, 1), (64, 1, 2, 4, 5), (128, 4, 1, 0, 3), (64, 3, 3, 64, 7), (64, 3, 3, 16, 12),
-    (64, 3, 3, "rows4", 1), (64, 3, 3, "rows4", 12), (128, 4, 1, "rows8", 3)])
+    (64, 3, 3, "rows4", 1), (64, 3, 3, "rows4", 12), (128, 4, 1, "rows8", 3),
+    (64, 3, 3, "keyrows4", 1), (64, 3, 3, "keyrows4", 12), (128, 4, 1, "keyrows8", 3)])
 def test_gather_path_matches_view_attention(head_dim, group, kv_heads, rank, tq):
     torch.manual_seed(0)
     layers, slots_total = 2, 400
@@ -29,8 +30,10 @@ def test_gather_path_matches_view_attention(head_dim, group, kv_heads, rank, tq)
         for i in range(ndeltas):
             rows = torch.sort(torch.randperm(n)[: n // 3]).values
             dk = torch.randn(layers, kv_heads, rows.numel(), head_dim) * 0.1
-            if isinstance(rank, str):        # the default form: int8 low-rank keys, values as quantized rows
-                state = compress(dk, dk.flip(-1), rows, 16, dtype=torch.int8, value_bits=int(rank[4:]))
+            if isinstance(rank, str):        # values (and with "keyrows", keys) as quantized rows
+                bits = int(rank[-1])
+                state = compress(dk, dk.flip(-1), rows, 16, dtype=torch.int8, value_bits=bits,
+                                 key_bits=bits if rank.startswith("key") else 0)
             else:
                 state = compress(dk, dk.flip(-1), rows, rank, dtype=torch.int8 if i == 0 else None, int8_basis=True)
             deltas.append(realigner.rotate_delta(state, 11) if i == 1 else state)

@@ -23,7 +23,7 @@ ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, lengths=(6, 37, 23), factors=None,
-              int8_basis=False, value_bits=0):
+              int8_basis=False, value_bits=0, key_bits=0):
     """Own prefix + two reused segments (deltas 13 and -4) + own tail whose last tq tokens query."""
     g = torch.Generator().manual_seed(seed)
     slots_total = 400
@@ -40,7 +40,8 @@ def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, len
                 "some": torch.randperm(n, generator=g)[: n // 3 + 1]}[rows_mode]
         dk = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
         dv = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
-        return compress(dk, dv, rows, rank, dtype=factors or dtype, int8_basis=int8_basis, value_bits=value_bits)
+        return compress(dk, dv, rows, rank, dtype=factors or dtype, int8_basis=int8_basis, value_bits=value_bits,
+                        key_bits=key_bits)
 
     pieces = [OwnPiece(slots[0], pos[0])]
     for i, delta in enumerate((13, -4)):
@@ -124,6 +125,19 @@ def test_value_rows_match_oracle(dtype, bits):
                                                         factors=torch.int8, value_bits=bits)
     seg = pieces[1]
     assert seg.deltas[0].bv is None and seg.deltas[0].value_coeffs().bits == bits
+    pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
+                             [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
+    _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_key_and_value_rows_match_oracle(dtype):
+    """key_bits and value_bits: both sides full rank as 4-bit rows (keys with channel scales), read by
+    the kernel as rank-head_dim factors of identity bases; the chain's first state owes a shift."""
+    q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=17,
+                                                        factors=torch.int8, value_bits=4, key_bits=4)
+    seg = pieces[1]
+    assert seg.deltas[0].bk is None and seg.deltas[0].key_coeffs().bits == 4 and seg.deltas[0].ck is not None
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
                              [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
     _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
