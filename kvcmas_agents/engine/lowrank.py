@@ -257,17 +257,19 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
         raise ValueError(f"rank must be >= 0, got {rank}")
     dtype = dtype or dk.dtype
     rows = rows.to(device=dk.device, dtype=torch.long)
-    rk = ck = rv = None
-    if key_bits:
-        ck = channel_scale(dk)
-        (uk, rk), bk, sk = quantize_rows(normalized(dk, ck), key_bits), None, None
-    else:
-        uk, bk, sk = _factored(dk, rank, dtype, int8_basis)
-    if value_bits:
-        (uv, rv), bv, sv = quantize_rows(dv, value_bits), None, None
-    else:
-        uv, bv, sv = _factored(dv, rank, dtype, int8_basis)
-    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck)
+    uk, bk, sk, rk, ck = _side(dk, rank, dtype, int8_basis, key_bits, channels=True)
+    uv, bv, sv, rv, cv = _side(dv, rank, dtype, int8_basis, value_bits, channels=False)
+    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck, cv=cv)
+
+
+def _side(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, bits: int, channels: bool) -> tuple:
+    """(U, B, B's scale, row scales, channel scales) of one side: quantized rows with ``bits`` (B the
+    identity; ``channels`` divides each channel by its scale first), else factored (no row scales)."""
+    if not bits:
+        return (*_factored(d, rank, dtype, int8_basis), None, None)
+    c = channel_scale(d) if channels else None
+    u, r = quantize_rows(d if c is None else normalized(d, c), bits)
+    return u, None, None, r, c
 
 
 def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype,
