@@ -20,6 +20,7 @@ from ..engine import Engine, SamplingParams
 from ..fidelity.conversation import ExactTurn, run_exact
 from ..fidelity.replay import ReplayTurn, replay
 from ..fidelity.summary import summarize
+from .caller_thread import single_threaded_caller
 from .methods import METHODS, Method
 from .traces import Trace
 
@@ -45,6 +46,7 @@ class BenchConfig:
     device: str = "cpu"
     kv_budget_bytes: int | None = None
     dtype: str | None = None          # None: the engine's default (bf16 on CUDA, fp32 on CPU)
+    num_threads: int | None = None    # engines' intra-op threads (None: the caller's torch.get_num_threads())
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -64,12 +66,13 @@ class _Bench:
     def __init__(self, cfg: BenchConfig, log: Log):
         self.cfg, self.log = cfg, log
         self.cuda = False
+        self.threads = cfg.num_threads
 
     def engine(self, method: Method) -> Engine:
         extra = {"kv_budget_bytes": self.cfg.kv_budget_bytes} if self.cfg.kv_budget_bytes else {}
         if self.cfg.dtype:
             extra["dtype"] = self.cfg.dtype
-        engine = Engine(method.config(self.cfg.model, self.cfg.device, **extra))
+        engine = Engine(method.config(self.cfg.model, self.cfg.device, num_threads=self.threads, **extra))
         self.cuda = engine.device.type == "cuda"
         return engine
 
@@ -153,16 +156,22 @@ def _ratios(methods: dict[str, dict[str, Any]]) -> None:
 
 async def run_bench(cfg: BenchConfig, log: Log = _stderr) -> dict[str, Any]:
     """Run the whole benchmark; returns a JSON-able dict (see ``report`` for the tables and plots)."""
-    start = time.perf_counter()
     unknown = set(cfg.methods) - set(METHODS)
     if unknown:
         raise ValueError(f"unknown methods {sorted(unknown)}; choose from {list(METHODS)}")
+    with single_threaded_caller(cfg.num_threads) as threads:
+        return await _run(cfg, log, threads)
+
+
+async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
+    start = time.perf_counter()
     bench = _Bench(cfg, log)
+    bench.threads = threads
     torch.linalg.svd(torch.randn(64, 64))        # the first SVD of a process loads MKL (seconds)
     result: dict[str, Any] = {"config": {
         "model": cfg.model, "device": cfg.device, "eval_tokens": cfg.eval_tokens, "full_decode": cfg.full_decode,
         "throughput_tokens": cfg.throughput_tokens, "methods": list(cfg.methods),
-        "sweep": [m.label for m in cfg.sweep], "torch_threads": torch.get_num_threads()}, "traces": {}}
+        "sweep": [m.label for m in cfg.sweep], "torch_threads": threads}, "traces": {}}
     exact_engine = bench.engine(METHODS["none"])
     result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device),
                             dtype=str(exact_engine.model.dtype).replace("torch.", ""))

@@ -49,6 +49,19 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any):
         self.config = config or EngineConfig(**overrides)
+        threads = self.config.num_threads or torch.get_num_threads()
+        built: dict[str, BaseException] = {}
+        ready = threading.Event()
+        self._worker = threading.Thread(target=self._run, args=(threads, ready, built), name="kvcmas-engine",
+                                        daemon=True)
+        self._worker.start()
+        ready.wait()
+        if "error" in built:
+            self._worker.join()
+            raise built["error"]
+
+    def _build(self) -> None:
+        """Load the model and build the engine's parts (on the worker thread, see ``_run``)."""
         loaded = load_model(self.config.model, self.config.device, self.config.dtype, self.config.cache_dir)
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
@@ -88,8 +101,6 @@ class Engine:
         self._stats_lock = threading.Lock()
         self.edges: list[tuple[str, str]] = []
         self._peak_total = 0
-        self._worker = threading.Thread(target=self._loop, name="kvcmas-engine", daemon=True)
-        self._worker.start()
 
     # --- public API ------------------------------------------------------------------------
     async def generate(self, messages: list[dict], agent: str = "default",
@@ -212,7 +223,7 @@ class Engine:
             "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
             "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent, "home_views_evicted": seg.evicted,
             "correction_dtype": self.config.correction_dtype, "value_bits": self.config.value_bits,
-            "key_bits": self.config.key_bits,
+            "key_bits": self.config.key_bits, "num_threads": self.num_threads,
             "correction_energy": self.config.correction_energy,
             "correction_rows_dropped": self.corrector.rows_dropped,
             "blend_ratio": self.config.blend_ratio, "kvcomm_anchors": self.config.kvcomm_anchors,
@@ -295,6 +306,20 @@ class Engine:
         self._inbox.put(("add", req))
 
     # --- worker thread --------------------------------------------------------------------
+    def _run(self, threads: int, ready: threading.Event, built: dict[str, BaseException]) -> None:
+        """The worker: builds the engine, then serves. All torch work stays on this one thread, so the
+        engine does not leave an OpenMP team behind on the caller's thread (see EngineConfig.num_threads)."""
+        try:
+            torch.set_num_threads(threads)
+            self._build()
+            self.num_threads = torch.get_num_threads()
+        except BaseException as exc:        # re-raised by __init__ in the caller's thread
+            built["error"] = exc
+            return
+        finally:
+            ready.set()
+        self._loop()
+
     def _loop(self) -> None:
         while True:
             try:

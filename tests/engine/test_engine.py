@@ -268,3 +268,23 @@ async def test_a_corrected_request_starts_before_the_next_correction_runs():
     assert sorted(corrections) == ["coder", "reviewer"]
     first, second = corrections
     assert events.index(("first token", first)) < events.index(("correct", second))
+
+
+async def test_the_worker_builds_the_engine_with_its_own_thread_count():
+    """The model is built on the worker, which runs its torch ops with EngineConfig.num_threads (here 1),
+    whatever the calling thread uses; build errors still reach the caller."""
+    from kvcmas_agents import Engine, EngineConfig
+    from kvcmas_agents.engine.errors import ModelNotFoundError
+    caller = torch.get_num_threads()
+    engine = Engine(EngineConfig(model=None, device="cpu", reuse="prefix", num_threads=1))
+    try:
+        assert engine.stats()["num_threads"] == 1
+        assert torch.get_num_threads() == caller
+        out = await engine.generate(PROMPTS[0], agent="a", sampling=SamplingParams(max_tokens=4))
+        assert out.usage.completion_tokens == 4
+    finally:
+        await engine.aclose()
+    with pytest.raises(ModelNotFoundError):
+        Engine(EngineConfig(model="HuggingFaceTB/SmolLM2-135M-Instruct", device="cpu"))
+    with pytest.raises(ValueError, match="num_threads"):
+        EngineConfig(num_threads=0)
