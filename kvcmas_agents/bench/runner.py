@@ -172,40 +172,42 @@ async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
         "model": cfg.model, "device": cfg.device, "eval_tokens": cfg.eval_tokens, "full_decode": cfg.full_decode,
         "throughput_tokens": cfg.throughput_tokens, "methods": list(cfg.methods),
         "sweep": [m.label for m in cfg.sweep], "torch_threads": threads}, "traces": {}}
-    exact_engine = bench.engine(METHODS["none"])
-    result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device),
-                            dtype=str(exact_engine.model.dtype).replace("torch.", ""))
-    try:
-        for trace in cfg.traces:
-            t0 = time.perf_counter()
+    for trace in cfg.traces:
+        t0 = time.perf_counter()
+        # Closed before the replays: an idle engine's worker keeps an OpenMP team of its own alive, and a
+        # second team slows the measured engine (EngineConfig.num_threads).
+        exact_engine = bench.engine(METHODS["none"])
+        try:
+            result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device),
+                                    dtype=str(exact_engine.model.dtype).replace("torch.", ""))
             exact = await run_exact(exact_engine, trace.scenario, trace.reply_tokens, cfg.eval_tokens)
-            log(f"[bench] {trace.name}: exact pass, {len(exact)} turns, shared history up to "
-                f"{max(t.shared_tokens for t in exact)} tokens, longest prompt "
-                f"{max(t.prompt_tokens for t in exact)}, {time.perf_counter() - t0:.0f} s")
-            entry: dict[str, Any] = {
-                "turns": [t.to_dict() for t in exact], "agents": sorted({t.agent for t in exact}),
-                "shared_tokens_max": max(t.shared_tokens for t in exact),
-                "prompt_tokens_max": max(t.prompt_tokens for t in exact), "methods": {}}
-            for name in cfg.methods:
-                m = await bench.replay(trace, exact, METHODS[name])
-                entry["methods"][name] = m
-                f = m["fidelity"]
-                log(f"[bench] {trace.name}/{name}: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, peak "
-                    f"{m['memory']['kv_bytes_total_peak'] / 2**20:.1f} MiB, first-token KL "
-                    f"{f.get('first_token_kl_mean', 0):.3g}, {m['wall_s']:.0f} s")
-            _ratios(entry["methods"])
-            if cfg.sweep and trace.name == cfg.sweep_trace:
-                entry["sweep"] = []
-                for method in cfg.sweep:
-                    m = await bench.replay(trace, exact, method)
-                    entry["sweep"].append(m)
-                    log(f"[bench] sweep {method.label}: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, first-token KL "
-                        f"{m['fidelity'].get('first_token_kl_mean', 0):.3g}")
-            if cfg.throughput_tokens and trace is cfg.traces[0]:
-                entry["throughput"] = [await bench.throughput(trace, exact, METHODS[n])
-                                       for n in ("prefix", "kvcmas") if n in cfg.methods]
-            result["traces"][trace.name] = entry
-    finally:
-        await exact_engine.aclose()
+        finally:
+            await exact_engine.aclose()
+        log(f"[bench] {trace.name}: exact pass, {len(exact)} turns, shared history up to "
+            f"{max(t.shared_tokens for t in exact)} tokens, longest prompt "
+            f"{max(t.prompt_tokens for t in exact)}, {time.perf_counter() - t0:.0f} s")
+        entry: dict[str, Any] = {
+            "turns": [t.to_dict() for t in exact], "agents": sorted({t.agent for t in exact}),
+            "shared_tokens_max": max(t.shared_tokens for t in exact),
+            "prompt_tokens_max": max(t.prompt_tokens for t in exact), "methods": {}}
+        for name in cfg.methods:
+            m = await bench.replay(trace, exact, METHODS[name])
+            entry["methods"][name] = m
+            f = m["fidelity"]
+            log(f"[bench] {trace.name}/{name}: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, peak "
+                f"{m['memory']['kv_bytes_total_peak'] / 2**20:.1f} MiB, first-token KL "
+                f"{f.get('first_token_kl_mean', 0):.3g}, {m['wall_s']:.0f} s")
+        _ratios(entry["methods"])
+        if cfg.sweep and trace.name == cfg.sweep_trace:
+            entry["sweep"] = []
+            for method in cfg.sweep:
+                m = await bench.replay(trace, exact, method)
+                entry["sweep"].append(m)
+                log(f"[bench] sweep {method.label}: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, first-token KL "
+                    f"{m['fidelity'].get('first_token_kl_mean', 0):.3g}")
+        if cfg.throughput_tokens and trace is cfg.traces[0]:
+            entry["throughput"] = [await bench.throughput(trace, exact, METHODS[n])
+                                   for n in ("prefix", "kvcmas") if n in cfg.methods]
+        result["traces"][trace.name] = entry
     result["timing"] = {"total_s": time.perf_counter() - start}
     return result
