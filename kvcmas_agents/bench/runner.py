@@ -63,10 +63,9 @@ def ttft_summary(turns: list[ReplayTurn]) -> dict[str, float]:
 
 
 class _Bench:
-    def __init__(self, cfg: BenchConfig, log: Log):
-        self.cfg, self.log = cfg, log
+    def __init__(self, cfg: BenchConfig, log: Log, threads: int | None = None):
+        self.cfg, self.log, self.threads = cfg, log, threads
         self.cuda = False
-        self.threads = cfg.num_threads
 
     def engine(self, method: Method) -> Engine:
         extra = {"kv_budget_bytes": self.cfg.kv_budget_bytes} if self.cfg.kv_budget_bytes else {}
@@ -165,8 +164,7 @@ async def run_bench(cfg: BenchConfig, log: Log = _stderr) -> dict[str, Any]:
 
 async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
     start = time.perf_counter()
-    bench = _Bench(cfg, log)
-    bench.threads = threads
+    bench = _Bench(cfg, log, threads)
     torch.linalg.svd(torch.randn(64, 64))        # the first SVD of a process loads MKL (seconds)
     result: dict[str, Any] = {"config": {
         "model": cfg.model, "device": cfg.device, "eval_tokens": cfg.eval_tokens, "full_decode": cfg.full_decode,

@@ -87,7 +87,8 @@ class EngineConfig:
         thread that builds the engine). The worker builds the model and runs all torch work, so that
         on CPU the process has one OpenMP thread team: with a second team alive (say, one the caller's
         thread made by loading weights), GNU OpenMP throttles its spin-waits and each parallel region
-        pays a sleep and wake, which made a decode step over a corrected view about 25% slower.
+        pays a sleep and wake, which made kvcmas's decode steps and TTFT about 1.6x slower (README,
+        "Threads").
     """
 
     model: str | None = None
