@@ -96,10 +96,13 @@ def test_cli_command_registered():
 async def test_tiny_end_to_end_run(tmp_path):
     mini = replace(CSV, name="mini", groups=CSV.groups[:2], handoffs=CSV.handoffs[:2], edges=CSV.edges[:1])
     assert set(mini.systems) >= {"planner", "coder"} and mini.task == CSV_TASK and CSV_SYSTEM
+    threads = torch.get_num_threads()
     result = await run_fidelity([mini], modes=("prefix", "naive", "kvcmas"), reply_tokens=16, eval_tokens=8,
                                 knobs=ReuseOptions(recompute_ratio=0.3, rank=16),
                                 sweep=SweepGrid("mini", ratios=(0.3, 1.0), ranks=(16,), eval_tokens=4),
-                                device="cpu", log=lambda msg: None)
+                                device="cpu", log=lambda msg: None, prefetch_ratio=0.8)
+    # Engines got the caller's thread count, and the caller's own count is back after the run.
+    assert result["config"]["torch_threads"] == threads == torch.get_num_threads()
     paths = write_report(result, tmp_path)
     for key in ("json", "markdown", "plot"):
         assert paths[key].exists() and paths[key].stat().st_size > 0
@@ -113,6 +116,7 @@ async def test_tiny_end_to_end_run(tmp_path):
         assert {"summary", "targets", "stats", "turns"} <= set(m)
         for key in ("first_token_kl", "tf_kl_mean", "agreement", "matched", "reused_frac", "recomputed_frac"):
             assert key in m["turns"][1]
+    assert entry["modes"]["kvcmas"]["stats"]["prefetch_ratio"] == 0.8
     prefix = entry["modes"]["prefix"]["summary"]
     assert prefix["first_token_kl_max"] < 1e-6 and prefix["tf_kl_max"] < 1e-6 and prefix["agreement_min"] == 1.0
     coder = entry["modes"]["kvcmas"]["turns"][1]

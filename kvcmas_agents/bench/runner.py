@@ -20,7 +20,7 @@ from ..engine import Engine, SamplingParams
 from ..fidelity.conversation import ExactTurn, run_exact
 from ..fidelity.replay import ReplayTurn, replay
 from ..fidelity.summary import summarize
-from .caller_thread import single_threaded_caller
+from ..fidelity.caller_thread import single_threaded_caller
 from .methods import METHODS, Method
 from .traces import Trace
 

@@ -33,6 +33,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.value_bits: 0 factors the values (default), 4/8 keeps them as quantized rows")
     parser.add_argument("--key-bits", type=int, choices=(0, 4, 8), default=0,
                         help="EngineConfig.key_bits: 0 factors the keys (default), 4/8 keeps them as quantized rows")
+    parser.add_argument("--prefetch-ratio", type=float, default=None,
+                        help="EngineConfig.prefetch_ratio of ahead-of-time corrections (engine default)")
     parser.add_argument("--sweep-scenario", default=None, help="scenario of the sweep (default: the first)")
     parser.add_argument("--sweep-ratios", type=float, nargs="+", default=None)
     parser.add_argument("--sweep-ranks", type=int, nargs="+", default=None)
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         knobs=ReuseOptions(recompute_ratio=args.recompute_ratio, rank=args.rank, reference=args.reference),
         reply_tokens=args.reply_tokens or preset["reply_tokens"], eval_tokens=args.eval_tokens or preset["eval_tokens"],
         sweep=sweep, model=args.model, device=args.device, full_decode=args.decode == "full",
-        value_bits=args.value_bits, key_bits=args.key_bits))
+        value_bits=args.value_bits, key_bits=args.key_bits,
+        prefetch_ratio=args.prefetch_ratio))
     result["config"]["quick"] = args.quick
     paths = write_report(result, args.out)
     print(summary_table(result), "", history_table(result), sep="\n")

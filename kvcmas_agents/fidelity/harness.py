@@ -6,16 +6,15 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-import torch
-
 from ..engine import Engine, EngineConfig, ReuseOptions
+from .caller_thread import single_threaded_caller
 from .conversation import ExactTurn, run_exact
 from .replay import ReplayTurn, replay
 from .scenarios import Scenario
 from .summary import check_targets, pooled, summarize
 
 EXACT_MODES = ("none", "prefix")          # exact by construction: sanity rows, evaluated on fewer tokens
-STAT_KEYS = ("reuse", "recompute_ratio", "rank", "reference", "home_views", "home_view_bytes", "corrections",
+STAT_KEYS = ("reuse", "recompute_ratio", "rank", "reference", "prefetch_ratio", "home_views", "home_view_bytes", "corrections",
              "correction_bytes", "kv_bytes_peak", "kv_bytes_total_peak", "template_fallbacks", "realign_refusals")
 Log = Callable[[str], None]
 
@@ -42,16 +41,16 @@ class _Runner:
     """Builds fresh engines (one per mode and knob setting) and times each replay."""
 
     def __init__(self, model: str | None, device: str, knobs: ReuseOptions, log: Log, full_decode: bool = True,
-                 value_bits: int = 0, key_bits: int = 0):
+                 engine_knobs: dict[str, Any] | None = None, threads: int | None = None):
         self.model, self.device, self.knobs, self.log = model, device, knobs, log
-        self.full_decode, self.value_bits, self.key_bits = full_decode, value_bits, key_bits
+        self.full_decode, self.engine_knobs, self.threads = full_decode, engine_knobs or {}, threads
 
     def engine(self, reuse: str, knobs: ReuseOptions | None = None) -> Engine:
         k = knobs or self.knobs
         set_knobs = {f: v for f, v in (("recompute_ratio", k.recompute_ratio), ("rank", k.rank),
                                        ("reference", k.reference)) if v is not None}
-        return Engine(EngineConfig(model=self.model, device=self.device, reuse=reuse, value_bits=self.value_bits,
-                                   key_bits=self.key_bits, **set_knobs))
+        return Engine(EngineConfig(model=self.model, device=self.device, reuse=reuse, num_threads=self.threads,
+                                   **self.engine_knobs, **set_knobs))
 
     async def replay(self, scenario: Scenario, exact: list[ExactTurn], reuse: str, eval_tokens: int,
                      knobs: ReuseOptions | None = None) -> tuple[list[ReplayTurn], dict[str, Any], float]:
@@ -71,56 +70,68 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
                        knobs: ReuseOptions | None = None, reply_tokens: int = 64, eval_tokens: int = 64,
                        sweep: SweepGrid | None = None, sanity_eval_tokens: int = 8, model: str | None = None,
                        device: str = "cpu", log: Log = _stderr, full_decode: bool = True,
-                       value_bits: int = 0, key_bits: int = 0) -> dict[str, Any]:
+                       value_bits: int = 0, key_bits: int = 0, prefetch_ratio: float | None = None) -> dict[str, Any]:
     """Measure each reuse mode against the exact run of the same prompts; return a JSON-able dict.
 
     Per scenario: an exact ``reuse="none"`` pass with greedy replies of ``reply_tokens``; then, per mode,
     a fresh engine replays every turn in order, teacher-forced on the first ``eval_tokens`` exact tokens
     (``sanity_eval_tokens`` for the exact-by-construction modes none/prefix); with ``full_decode`` each
     replayed turn decodes its whole exact reply, as an agent does. ``sweep`` replays one of the
-    scenarios over a recompute_ratio x rank grid of kvcmas settings. ``value_bits`` and ``key_bits``
-    are the engines' EngineConfig.value_bits and key_bits.
+    scenarios over a recompute_ratio x rank grid of kvcmas settings. ``value_bits``, ``key_bits`` and
+    ``prefetch_ratio`` (None: the default) are the engines' EngineConfig fields of those names.
     """
-    knobs = knobs or ReuseOptions()
-    runner = _Runner(model, device, knobs, log, full_decode, value_bits, key_bits)
+    engine_knobs: dict[str, Any] = {"value_bits": value_bits, "key_bits": key_bits}
+    if prefetch_ratio is not None:
+        engine_knobs["prefetch_ratio"] = prefetch_ratio
+    # Scoring runs on this thread; one-threaded, it starts no second OpenMP team beside the engine's.
+    with single_threaded_caller() as threads:
+        runner = _Runner(model, device, knobs or ReuseOptions(), log, full_decode, engine_knobs, threads)
+        return await _run(runner, scenarios, modes, reply_tokens, eval_tokens, sweep, sanity_eval_tokens)
+
+
+async def _run(runner: _Runner, scenarios: Sequence[Scenario], modes: Sequence[str], reply_tokens: int,
+               eval_tokens: int, sweep: SweepGrid | None, sanity_eval_tokens: int) -> dict[str, Any]:
+    log = runner.log
     start = time.perf_counter()
     result: dict[str, Any] = {"config": {
-        "model": model, "device": device, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
-        "sanity_eval_tokens": sanity_eval_tokens, "modes": list(modes), "knobs": asdict(knobs),
-        "full_decode": full_decode, "value_bits": value_bits, "key_bits": key_bits,
-        "sweep": asdict(sweep) if sweep else None, "kl_units": "nats"}, "scenarios": {}}
-    exact_engine = runner.engine("none")
-    result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device),
-                            torch_threads=torch.get_num_threads())
-    try:
-        for scenario in scenarios:
-            t0 = time.perf_counter()
+        "model": runner.model, "device": runner.device, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
+        "sanity_eval_tokens": sanity_eval_tokens, "modes": list(modes), "knobs": asdict(runner.knobs),
+        "full_decode": runner.full_decode, **runner.engine_knobs,
+        "sweep": asdict(sweep) if sweep else None, "kl_units": "nats", "torch_threads": runner.threads},
+        "scenarios": {}}
+    for scenario in scenarios:
+        t0 = time.perf_counter()
+        # Closed before the replays: an idle engine's worker keeps an OpenMP team alive, which slows the
+        # replayed engine's small ops (EngineConfig.num_threads).
+        exact_engine = runner.engine("none")
+        try:
+            result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device))
             exact = await run_exact(exact_engine, scenario, reply_tokens, eval_tokens)
-            exact_s = time.perf_counter() - t0
-            log(f"[fidelity] {scenario.name}: exact pass, {len(exact)} turns, shared history "
-                f"{exact[0].shared_tokens} -> {exact[-1].shared_tokens} tokens, {exact_s:.0f} s")
-            entry: dict[str, Any] = {
-                "rounds": scenario.rounds, "groups": [list(g) for g in scenario.groups],
-                "edges": [list(e) for e in scenario.edges], "exact_s": exact_s,
-                "shared_tokens_first": exact[0].shared_tokens, "shared_tokens_last": exact[-1].shared_tokens,
-                "shared_tokens_max": max(t.shared_tokens for t in exact),
-                "turns": [t.to_dict() for t in exact], "modes": {}}
-            for mode in modes:
-                n = min(eval_tokens, sanity_eval_tokens) if mode in EXACT_MODES else eval_tokens
-                turns, stats, wall = await runner.replay(scenario, exact, mode, n)
-                summary = summarize(turns)
-                entry["modes"][mode] = {"eval_tokens": n, "summary": summary, "targets": check_targets(summary),
-                                        "stats": stats, "wall_s": wall, "turns": [t.to_dict() for t in turns]}
-                log(f"[fidelity] {scenario.name}/{mode}: first-token KL {summary.get('first_token_kl_mean', 0):.4g}, "
-                    f"TF KL {summary.get('tf_kl_mean', 0):.4g}, agreement {summary.get('agreement_mean', 1):.2f}, "
-                    f"{wall:.0f} s")
-                if sweep and scenario.name == sweep.scenario:
-                    entry.setdefault("_replays", {})[mode] = (turns, stats)
+        finally:
+            await exact_engine.aclose()
+        exact_s = time.perf_counter() - t0
+        log(f"[fidelity] {scenario.name}: exact pass, {len(exact)} turns, shared history "
+            f"{exact[0].shared_tokens} -> {exact[-1].shared_tokens} tokens, {exact_s:.0f} s")
+        entry: dict[str, Any] = {
+            "rounds": scenario.rounds, "groups": [list(g) for g in scenario.groups],
+            "edges": [list(e) for e in scenario.edges], "exact_s": exact_s,
+            "shared_tokens_first": exact[0].shared_tokens, "shared_tokens_last": exact[-1].shared_tokens,
+            "shared_tokens_max": max(t.shared_tokens for t in exact),
+            "turns": [t.to_dict() for t in exact], "modes": {}}
+        for mode in modes:
+            n = min(eval_tokens, sanity_eval_tokens) if mode in EXACT_MODES else eval_tokens
+            turns, stats, wall = await runner.replay(scenario, exact, mode, n)
+            summary = summarize(turns)
+            entry["modes"][mode] = {"eval_tokens": n, "summary": summary, "targets": check_targets(summary),
+                                    "stats": stats, "wall_s": wall, "turns": [t.to_dict() for t in turns]}
+            log(f"[fidelity] {scenario.name}/{mode}: first-token KL {summary.get('first_token_kl_mean', 0):.4g}, "
+                f"TF KL {summary.get('tf_kl_mean', 0):.4g}, agreement {summary.get('agreement_mean', 1):.2f}, "
+                f"{wall:.0f} s")
             if sweep and scenario.name == sweep.scenario:
-                result["sweep"] = await _sweep(runner, scenario, exact, sweep, entry.pop("_replays", {}))
-            result["scenarios"][scenario.name] = entry
-    finally:
-        await exact_engine.aclose()
+                entry.setdefault("_replays", {})[mode] = (turns, stats)
+        if sweep and scenario.name == sweep.scenario:
+            result["sweep"] = await _sweep(runner, scenario, exact, sweep, entry.pop("_replays", {}))
+        result["scenarios"][scenario.name] = entry
     result["overall"] = {}
     for mode in modes:
         summary = pooled([s["modes"][mode]["summary"] for s in result["scenarios"].values()])

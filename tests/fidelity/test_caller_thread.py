@@ -1,10 +1,10 @@
-"""The bench's own thread scores single-threaded and hands engines the thread count it had."""
+"""The measuring thread (harness, bench) scores one-threaded and hands engines the count it had."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcmas_agents.bench.caller_thread import single_threaded_caller
+from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
 
 
 def test_the_caller_runs_single_threaded_inside_and_is_restored_after():
