@@ -46,6 +46,8 @@ METHODS: dict[str, Method] = {
     "kvcmas": Method("kvcmas", "kvcmas"),              # ours, engine-default knobs
     # ours with the values kept as 4-bit rows (EngineConfig.value_bits): fewer bytes, see README
     "kvcmas-v4": Method("kvcmas-v4", "kvcmas", value_bits=4),
+    # ours with keys as 8-bit rows (channel then row scales) and values as 4-bit rows: no SVD at all
+    "kvcmas-k8v4": Method("kvcmas-k8v4", "kvcmas", value_bits=4, key_bits=8),
     # ours with keys and values as 4-bit rows (EngineConfig.key_bits, value_bits): no SVD at all
     "kvcmas-kv4": Method("kvcmas-kv4", "kvcmas", value_bits=4, key_bits=4),
 }
