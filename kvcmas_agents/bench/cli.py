@@ -6,7 +6,7 @@ import asyncio
 import shlex
 import sys
 
-from .methods import DEFAULT_METHODS, METHODS, sweep_methods
+from .methods import DEFAULT_METHODS, METHODS, Method, sweep_methods
 from .report import markdown, write_report
 from .runner import BenchConfig, run_bench
 from .traces import PRESETS, get_traces
@@ -32,6 +32,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--throughput-tokens", type=int, default=32, help="decode tokens per agent (0: skip)")
     parser.add_argument("--sweep-ratios", type=float, nargs="*", default=None)
     parser.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
+    parser.add_argument("--sweep-prefetch-ratios", type=float, nargs="*", default=None,
+                        help="prefetch_ratio values swept (ahead-of-time corrections' recompute ratio)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the kvcmas knob sweep")
     parser.add_argument("--kv-budget-mib", type=int, default=None, help="KV budget per engine (default 2 GiB)")
     parser.add_argument("--out", default="benchmarks/results/bench", help="output folder")
@@ -42,16 +44,20 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "measures the memory a GPU run holds")
 
 
+def sweep_of(args: argparse.Namespace) -> list[Method]:
+    """The kvcmas knob sweep: the preset's, with any axis the options give replaced."""
+    if args.no_sweep:
+        return []
+    ratios, ranks, prefetch_ratios, no_prefetch = SWEEP[args.preset]
+    given = (args.sweep_ratios, args.sweep_ranks, args.sweep_prefetch_ratios)
+    ratios, ranks, prefetch_ratios = (tuple(g) if g is not None else d
+                                      for g, d in zip(given, (ratios, ranks, prefetch_ratios)))
+    return sweep_methods(ratios, ranks, prefetch_ratios, no_prefetch)
+
+
 def run(args: argparse.Namespace) -> int:
     traces = get_traces(args.preset, args.traces)
-    ratios, ranks, prefetch_ratios, no_prefetch = SWEEP[args.preset]
-    if args.sweep_ratios is not None:
-        ratios = tuple(args.sweep_ratios)
-    if args.sweep_ranks is not None:
-        ranks = tuple(args.sweep_ranks)
-    if args.no_sweep:
-        ratios, ranks, prefetch_ratios, no_prefetch = (), (), (), False
-    sweep = sweep_methods(ratios, ranks, prefetch_ratios, no_prefetch)
+    sweep = sweep_of(args)
     cfg = BenchConfig(traces, list(args.methods), sweep, traces[0].name, args.eval_tokens, args.decode == "full",
                       args.throughput_tokens, args.model, args.device,
                       args.kv_budget_mib * 2**20 if args.kv_budget_mib else None, args.dtype)

@@ -9,13 +9,14 @@ For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per 
   (``rk``/``rv``), key rows after dividing by one bf16 scale per channel (``ck``), and B is the
   identity (not stored).
 Readers get U through ``Coeffs`` and B through ``Basis``, which dequantize them and, for keys, apply
-the state's pending position ``shift``.
+the state's pending position ``shift``. A state may leave out its leading layers (``first_layer``):
+readers then get zeros there.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -34,6 +35,8 @@ class LowRankDelta:
     ``rk``/``rv`` [L, KVH, R, 1] are the per-row scales of a full-rank side's quantized rows (U int8,
     or uint8 with two 4-bit codes per byte); its B factor is None: the identity. ``ck``/``cv``
     [L, KVH, 1, D] are optional per-channel scales of such rows (shared by the states of a joint basis).
+    Every tensor above holds layers [first_layer, first_layer + L); the layers before correct nothing
+    and store nothing (layer 0's deviation is rounding: see ``Corrector``).
     """
 
     rows: torch.Tensor          # LongTensor [R], unique indices into the segment's tokens
@@ -48,8 +51,11 @@ class LowRankDelta:
     rv: torch.Tensor | None = None
     ck: torch.Tensor | None = None
     cv: torch.Tensor | None = None
+    first_layer: int = 0
 
     def __post_init__(self) -> None:
+        if self.first_layer < 0:
+            raise ValueError(f"first_layer must be >= 0, got {self.first_layer}")
         layers, heads, nrows, _ = self.uk.shape
         if self.rows.shape != (nrows,) or self.uv.shape[:3] != (layers, heads, nrows):
             raise ValueError(f"rows {tuple(self.rows.shape)} do not match factors {tuple(self.uk.shape)}")
@@ -84,6 +90,11 @@ class LowRankDelta:
         return self.rows.numel()
 
     @property
+    def num_layers(self) -> int:
+        """Layers the state spans, the uncorrected leading ones included."""
+        return self.first_layer + self.uk.shape[0]
+
+    @property
     def rank(self) -> int:
         """Largest of the key and value ranks (head_dim for full-rank rows)."""
         return max(self.key_coeffs().rank, self.value_coeffs().rank)
@@ -103,10 +114,10 @@ class LowRankDelta:
 
     def key_coeffs(self) -> "Coeffs":
         """U_k as readers need it (dequantized when read)."""
-        return Coeffs(self.uk, self.rk, self.ck)
+        return Coeffs(self.uk, self.rk, self.ck, self.first_layer)
 
     def value_coeffs(self) -> "Coeffs":
-        return Coeffs(self.uv, self.rv, self.cv)
+        return Coeffs(self.uv, self.rv, self.cv, self.first_layer)
 
     def key_basis(self, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Basis":
         """B_k as readers need it; ``cos_sin`` rotates it by ``shift`` (``Realigner.key_basis`` passes it)."""
@@ -114,10 +125,10 @@ class LowRankDelta:
             raise ValueError(f"this state's keys still owe a rotation by {self.shift}: read them through "
                              "Realigner.key_basis")
         return Basis(self._basis(self.bk, self.uk), self.sk, *(cos_sin if self.shift else (None, None)),
-                     identity=self.bk is None)
+                     identity=self.bk is None, first=self.first_layer)
 
     def value_basis(self) -> "Basis":
-        return Basis(self._basis(self.bv, self.uv), self.sv, identity=self.bv is None)
+        return Basis(self._basis(self.bv, self.uv), self.sv, identity=self.bv is None, first=self.first_layer)
 
     @staticmethod
     def _basis(b: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
@@ -131,7 +142,8 @@ class LowRankDelta:
     def to(self, device: torch.device | str) -> "LowRankDelta":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return LowRankDelta(*(move(t) for t in (self.rows, self.uk, self.bk, self.uv, self.bv, self.sk, self.sv)),
-                            shift=self.shift, rk=move(self.rk), rv=move(self.rv), ck=move(self.ck), cv=move(self.cv))
+                            shift=self.shift, rk=move(self.rk), rv=move(self.rv), ck=move(self.ck), cv=move(self.cv),
+                            first_layer=self.first_layer)
 
 
 @lru_cache(maxsize=16)
@@ -140,14 +152,28 @@ def _eye(layers: int, heads: int, dim: int, device: torch.device) -> torch.Tenso
     return torch.eye(dim, device=device).expand(layers, heads, dim, dim)
 
 
+def _layer_of(first: int, layer: int | slice, read: Callable[[int | slice], torch.Tensor],
+              shape: tuple[int, ...], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``read(layer - first)``, with zeros of one layer's ``shape`` for the ``first`` layers a state
+    does not store: one layer (an int) or all of them (``slice(None)``, zeros stacked in front)."""
+    if not first:
+        return read(layer)
+    if isinstance(layer, int):
+        return read(layer - first) if layer >= first else like.new_zeros(shape, dtype=dtype)
+    if layer != slice(None):
+        raise ValueError("a state without its leading layers is read one layer at a time, or whole")
+    return torch.cat([like.new_zeros((first, *shape), dtype=dtype), read(slice(None))])
+
+
 @dataclass(frozen=True)
 class Coeffs:
     """A U factor [L, KVH, R, r] as read: plain, or quantized rows dequantized by their row ``scale``
-    (and, if given, their ``channel`` scales [L, KVH, 1, D])."""
+    (and, if given, their ``channel`` scales [L, KVH, 1, D]); layers before ``first`` read as zeros."""
 
     u: torch.Tensor
     scale: torch.Tensor | None = None
     channel: torch.Tensor | None = None
+    first: int = 0
 
     @property
     def rank(self) -> int:
@@ -160,6 +186,10 @@ class Coeffs:
 
     def at(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One layer's coefficients [KVH, R, r] (or all of them for the default slice), in ``dtype``."""
+        return _layer_of(self.first, layer, lambda i: self._stored(i, dtype),
+                         (*self.u.shape[1:3], self.rank), self.u, dtype)
+
+    def _stored(self, layer: int | slice, dtype: torch.dtype) -> torch.Tensor:
         if self.scale is None:
             return self.u[layer].to(dtype)
         rows = dequantize_rows(self.u[layer], self.scale[layer], dtype)
@@ -169,13 +199,15 @@ class Coeffs:
 @dataclass(frozen=True)
 class Basis:
     """A B factor [L, KVH, r, D] as read: dequantized by ``scale`` and rotated by cos/sin [D] if given.
-    ``identity``: B is the identity (full-rank rows); with no rotation, readers may skip the product."""
+    ``identity``: B is the identity (full-rank rows); with no rotation, readers may skip the product.
+    Layers before ``first`` read as zeros."""
 
     b: torch.Tensor
     scale: torch.Tensor | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     identity: bool = False
+    first: int = 0
 
     @property
     def plain_identity(self) -> bool:
@@ -184,6 +216,10 @@ class Basis:
 
     def at(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One layer's basis [KVH, r, D] (or all of them for the default slice), in ``dtype``."""
+        return _layer_of(self.first, layer, lambda i: self.stored(i, dtype), tuple(self.b.shape[1:]), self.b, dtype)
+
+    def stored(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Like ``at``, but indexed over the stored layers only (layer ``first`` is index 0)."""
         if self.scale is None and self.cos is None:
             return self.b[layer].to(dtype)      # the default bf16 B on a decode step: one cast, no fp32 detour
         x = self.b[layer].float()
@@ -236,7 +272,7 @@ def _quantized(u: torch.Tensor, b: torch.Tensor,
 
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
              dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
-             key_bits: int = 0) -> LowRankDelta:
+             key_bits: int = 0, first_layer: int = 0) -> LowRankDelta:
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
     Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
@@ -245,10 +281,13 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     ``value_bits`` (4 or 8) only the keys are factored: the value rows are kept full rank, quantized
     per row to that many bits with one bf16 scale per row and head, and B_v is the identity. With
     ``key_bits`` the key rows are kept so too, each channel divided first by its scale over the rows
-    (``quant_rows.channel_scale``); no SVD runs for a side kept as rows.
+    (``quant_rows.channel_scale``); no SVD runs for a side kept as rows. Layers before ``first_layer``
+    are dropped: the state corrects nothing there.
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")
+    if not 0 <= first_layer < dk.shape[0]:
+        raise ValueError(f"first_layer must be in [0, {dk.shape[0]}), got {first_layer}")
     if rows.shape != (dk.shape[2],):
         raise ValueError(f"rows {tuple(rows.shape)} must be [R] with R = {dk.shape[2]}")
     if rows.unique().numel() != rows.numel():
@@ -257,9 +296,9 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
         raise ValueError(f"rank must be >= 0, got {rank}")
     dtype = dtype or dk.dtype
     rows = rows.to(device=dk.device, dtype=torch.long)
-    uk, bk, sk, rk, ck = _side(dk, rank, dtype, int8_basis, key_bits, channels=True)
-    uv, bv, sv, rv, cv = _side(dv, rank, dtype, int8_basis, value_bits, channels=False)
-    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck, cv=cv)
+    uk, bk, sk, rk, ck = _side(dk[first_layer:], rank, dtype, int8_basis, key_bits, channels=True)
+    uv, bv, sv, rv, cv = _side(dv[first_layer:], rank, dtype, int8_basis, value_bits, channels=False)
+    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck, cv=cv, first_layer=first_layer)
 
 
 def _side(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, bits: int, channels: bool) -> tuple:
@@ -282,7 +321,7 @@ def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype,
 
 def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
                    dtype: torch.dtype | None = None, int8_basis: bool = False,
-                   value_bits: int = 0, key_bits: int = 0) -> list[LowRankDelta]:
+                   value_bits: int = 0, key_bits: int = 0, first_layer: int = 0) -> list[LowRankDelta]:
     """Compress several segments' deviations (each [L, KVH, R_i, D]) against one shared basis.
 
     The segments an agent corrects in one request deviate for the same reason (its own prefix), so
@@ -294,7 +333,7 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
         raise ValueError("compress_joint needs one dk, dv and rows per segment")
     dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
     joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype, int8_basis,
-                     value_bits, key_bits)   # split below
+                     value_bits, key_bits, first_layer)   # split below
     out, offset = [], 0
     for r in rows:
         n = r.numel()
@@ -362,7 +401,8 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
     rows = torch.cat([d.rows for d in deltas]).unique(sorted=True)
     where = [torch.searchsorted(rows, d.rows) for d in deltas]
     if rank is not None:
-        layers, heads, _, dim = first.key_basis().b.shape
+        _, heads, _, dim = first.key_basis().b.shape
+        layers = first.num_layers
         dk = first.uk.new_zeros(layers, heads, rows.numel(), dim, dtype=torch.float32)
         dv = torch.zeros_like(dk)
         for d, idx in zip(deltas, where):
@@ -371,7 +411,7 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
         factored = first.uv if first.rk is not None else first.uk          # a side's U that is not rows
         return compress(dk, dv, rows, rank, dtype=factored.dtype,
                         int8_basis=first.sk is not None, value_bits=first.value_coeffs().bits,
-                        key_bits=first.key_coeffs().bits)
+                        key_bits=first.key_coeffs().bits, first_layer=min(d.first_layer for d in deltas))
 
     def scatter_u(us: list[torch.Tensor]) -> torch.Tensor:
         # Each delta's U gets its own rank columns; rows it does not correct stay zero.

@@ -107,4 +107,4 @@ class Realigner:
         """A copy with the shift applied (B_k rotated, in fp32) and shift 0: for oracles and ``compose``."""
         if not state.shift:
             return state
-        return replace(state, bk=self.key_basis(state).at(), sk=None, shift=0)
+        return replace(state, bk=self.key_basis(state).stored(), sk=None, shift=0)

@@ -67,6 +67,20 @@ def test_sweep_and_throughput(report):
         assert t["concurrent_tok_s"] > 0 and t["sequential_tok_s"] > 0 and t["max_batch_seqs"] >= 2
 
 
+def test_sweep_options_replace_the_presets_axes():
+    import argparse
+
+    from kvcmas_agents.bench.cli import add_args, sweep_of
+
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    labels = lambda argv: [m.label for m in sweep_of(parser.parse_args(argv))]  # noqa: E731
+    assert labels(["--preset", "full"]) == ["kvcmas(r=0.3)", "kvcmas(prefetch=False)"]
+    assert labels(["--preset", "full", "--sweep-ratios", "--sweep-prefetch-ratios", "0.5", "0.7"]) == [
+        "kvcmas(pr=0.5)", "kvcmas(pr=0.7)", "kvcmas(prefetch=False)"]
+    assert labels(["--preset", "full", "--sweep-prefetch-ratios", "0.5", "--no-sweep"]) == []
+
+
 def test_the_long_trace_fits_the_default_models_window_with_room_for_its_replies():
     """The long preset's first prompt leaves room inside the default model's 8,192 tokens for the history
     to grow by every later turn (exact passes measured 90-111 tokens a turn: a reply of up to 96

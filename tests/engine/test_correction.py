@@ -6,6 +6,7 @@ import torch
 
 from kvcmas_agents import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.engine import ReuseOptions
+from kvcmas_agents.engine.correction import UNCORRECTED_LAYERS
 from kvcmas_agents.engine.lowrank import unique_nbytes
 from kvcmas_agents.fidelity import CSV_SYSTEM as SYSTEM
 from kvcmas_agents.fidelity import CSV_TASK as TASK
@@ -71,6 +72,8 @@ async def test_full_recompute_equals_exact(engine):
                                  reuse_options=ReuseOptions(reuse="kvcmas", recompute_ratio=1.0))
     assert full.usage.recomputed_tokens == full.usage.reused_tokens > 0
     assert full.token_ids == exact.token_ids
+    mine = [c.own for c in engine.scheduler.segments._corrections.values() if c.agent == "r1"]
+    assert mine and all(s.first_layer == 0 for s in mine)     # ratio 1.0 stores every layer: it stays exact
     assert torch.allclose(full.logits[0], exact.logits[0], atol=2e-3)
 
 
@@ -268,6 +271,9 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
                 assert outs["naive"].usage.reused_tokens == outs[kind].usage.reused_tokens
         finally:
             eng.close()
+    layers = engine.model.args.num_layers
+    for kind, held in states.items():       # layer 0's deviation is rounding: no state stores it
+        assert all(s.first_layer == UNCORRECTED_LAYERS == 1 and s.uk.shape[0] == layers - 1 for s in held), kind
     dtypes = {k: ({s.uk.dtype for s in v}, {None if s.bk is None else s.bk.dtype for s in v}, {s.uv.dtype for s in v},
                   {None if s.bv is None else s.bv.dtype for s in v}) for k, v in states.items()}
     assert dtypes["default"] == ({torch.int8}, {torch.bfloat16}, {torch.int8}, {torch.bfloat16})

@@ -287,3 +287,51 @@ def test_key_rows_with_factored_values():
     assert state.bk is None and state.uv.dtype == torch.int8 and state.bv.dtype == torch.bfloat16
     again = compose([state], rank=4)
     assert again.uv.dtype == torch.int8 and again.bk is None
+
+
+@pytest.mark.parametrize("knobs", [{}, {"dtype": torch.int8}, {"dtype": torch.int8, "key_bits": 8, "value_bits": 4}])
+def test_a_state_without_its_first_layer_stores_less_and_reads_zeros_there(knobs):
+    from kvcmas_agents.engine.realign import Realigner
+
+    dk, dv = _devs(12, seed=5)
+    rows = torch.arange(12) * 2
+    whole = compress(dk, dv, rows, 8, **knobs)
+    part = compress(dk, dv, rows, 8, **knobs, first_layer=1)
+    assert (part.first_layer, part.num_layers, part.uk.shape[0]) == (1, L, L - 1)
+    assert part.nbytes < whole.nbytes
+    k0, v0 = part.dense(0)
+    assert not k0.any() and not v0.any() and k0.shape == whole.dense(0)[0].shape
+    for layer in range(1, L):                 # the stored layers are the same as in the whole state
+        for a, b in zip(part.dense(layer), whole.dense(layer)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    for coeffs, basis in ((part.key_coeffs(), part.key_basis()), (part.value_coeffs(), part.value_basis())):
+        assert coeffs.at().shape[0] == basis.at().shape[0] == L and not coeffs.at()[0].any()
+        with pytest.raises(ValueError, match="one layer at a time, or whole"):
+            coeffs.at(slice(1, 3))
+    # Moved, settled, composed and materialized, it still corrects nothing at layer 0.
+    realigner = Realigner(1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D)))
+    settled = realigner.settle(realigner.rotate_delta(part, 3))
+    assert settled.first_layer == 1 and settled.bk.shape[0] == L - 1 and not settled.dense(0)[0].any()
+    other = compress(*_devs(12, seed=6), rows, 8, **knobs)
+    exact = compose([part, other])
+    lossy = compose([part, other], rank=8)
+    assert lossy.first_layer == 0 and exact.first_layer == 0
+    for layer in range(L):
+        want = [a + b for a, b in zip(part.dense(layer), other.dense(layer))]
+        for got, w in zip(exact.dense(layer), want):
+            torch.testing.assert_close(got, w, rtol=0, atol=1e-4)
+    k_ref, v_ref = torch.zeros(30, KVH, D), torch.zeros(30, KVH, D)
+    k, v = apply_to(k_ref, v_ref, [part], 0)
+    assert not k.any() and not v.any()
+    with pytest.raises(ValueError, match="first_layer"):
+        compress(dk, dv, rows, 8, first_layer=L)
+    with pytest.raises(ValueError, match="first_layer"):
+        LowRankDelta(part.rows, part.uk, part.bk, part.uv, part.bv, part.sk, part.sv, first_layer=-1)
+
+
+def test_joint_states_drop_the_first_layer_together():
+    dks, dvs = zip(*(_devs(n, seed=n) for n in (5, 7)))
+    rows = [torch.arange(5), torch.arange(7)]
+    states = compress_joint(list(dks), list(dvs), rows, 6, torch.int8, first_layer=1)
+    assert all(s.first_layer == 1 and s.uk.shape[0] == L - 1 for s in states)
+    assert states[0].bk is states[1].bk and states[0].bk.shape[0] == L - 1
