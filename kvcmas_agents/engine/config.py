@@ -63,14 +63,17 @@ class EngineConfig:
     value_bits: 0 (default) factors the values like the keys (rank-``rank`` SVD in correction_dtype);
         4 or 8 keeps the values full rank instead: each recomputed row's value deviation is stored as
         it is, quantized per row to that many bits with one bf16 scale per row and KV head (no SVD, no
-        B_v). On the bench pipeline 4 cuts correction bytes 70.0 -> 54.5 MiB (peak 146.7 -> 131.2 MiB)
-        at equal or lower KL, but over 38 bench turns one more greedy near-tie (0.082 top-2 gap) broke,
+        B_v). On the bench pipeline 4 cuts correction bytes 67.7 -> 52.7 MiB (peak 144.3 -> 129.4 MiB)
+        at about the same KL, but over 38 bench turns one more greedy near-tie (0.082 top-2 gap) broke,
         which makes the fidelity harness's debate agreement 0.896; see README, "Correction storage".
     key_bits: 0 (default) factors the keys (rank-``rank`` SVD); 4 or 8 keeps them full rank as rows
         quantized to that many bits, each channel first divided by its RMS over the rows (one bf16 scale
         per channel, layer and KV head, shared by a request's states) and each row then by its own
         bf16 scale. Without the channel scales, 4-bit key rows cost fidelity: keys carry a few large
         channels that set a per-row scale and round the rest coarsely (README, "Correction storage").
+        key_bits=8 with value_bits=4 is the most faithful storage measured (bench pipeline: first-token
+        KL 0.00011 against the default's 0.0011, peak 132.5 MiB); it is not the default because, like
+        exact storage, it loses the fidelity harness's debate near tie (agreement 0.896).
     correction_energy: share of a correcting request's squared deviation (summed over K and V, layers
         and heads) that its stored corrections keep: recomputed rows are stored strongest first until
         they hold it, and the faint rest revert to the reference; stats()["correction_rows_dropped"]

@@ -36,9 +36,10 @@ __all__ = ["CROSS_AGENT_MODES", "Corrector"]
 
 NEWEST_SPAN = 256       # how far back from the tail the newest reused reply is recomputed whole
 MAX_FRAME = 16          # tokens of role header and trailer around a decoded reply inside its message
-# Layer 0's keys and values depend only on the token and its position, which realignment handles
-# exactly, so its deviation is rounding (8e-6 of the deviations' energy on the bench pipeline):
-# states do not store it. Recompute ratio 1.0 keeps every layer, so that it stays exact.
+# Layer 0's keys and values depend only on the token and its position, so its deviation is only the
+# rounding of the model's RoPE tables against the realigner's rotation (8e-6 of the deviations' energy
+# in a dev capture of the bf16 bench pipeline): states do not store it. Recompute ratio 1.0 keeps every
+# layer, so that it stays exact.
 UNCORRECTED_LAYERS = 1
 
 
