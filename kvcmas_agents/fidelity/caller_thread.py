@@ -1,9 +1,10 @@
 """Keep a measuring thread from starting a second OpenMP thread team.
 
-The fidelity harness and the bench score logits on the thread that drives the engines. On CPU, a parallel torch op there would
-start an OpenMP team next to each engine worker's, and GNU OpenMP then throttles its spin-waits, so
-every parallel region of the engines pays a sleep and wake (see ``EngineConfig.num_threads``). The
-scoring is small, so it runs single-threaded, and the engines get the thread count this thread had.
+The fidelity harness and the bench score logits on the thread that drives the engines. On CPU, a
+parallel torch op there would start an OpenMP team next to each engine worker's, and GNU OpenMP then
+throttles its spin-waits, so every parallel region of the engines pays a sleep and wake (see
+``EngineConfig.num_threads``). The scoring is small, so it runs single-threaded, and the engines get
+the thread count this thread had.
 """
 from __future__ import annotations
 
