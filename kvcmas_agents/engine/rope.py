@@ -99,3 +99,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = x.shape[-1] // 2
     rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated_half * sin
+
+
+def rotate_(x: torch.Tensor, cos_half: torch.Tensor, sin_half: torch.Tensor) -> torch.Tensor:
+    """``rotate`` in place, given the first halves of cos/sin [..., head_dim // 2] (rotate-half tables
+    repeat their angles in both halves). Bitwise equal to ``rotate``: every product and sum is rounded
+    as it is there, but there is no concatenated copy and one full-size temporary fewer."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_sin, x2_sin = x1 * sin_half, x2 * sin_half
+    x1.mul_(cos_half).sub_(x2_sin)
+    x2.mul_(cos_half).add_(x1_sin)
+    return x

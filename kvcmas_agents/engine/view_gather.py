@@ -15,20 +15,23 @@ import torch
 from .attention import grouped_attention, sdpa
 from .lowrank import Basis, Coeffs
 from .realign import Realigner
-from .rope import rotate
+from .rope import rotate_
 from .view_attention import SegmentPiece
 
 
 @dataclass
 class GatheredView:
     slots: torch.Tensor                          # [N] store slots of all keys, in position order
-    cos: torch.Tensor                            # [M, 1, D]: rows [0, M) are rotated (identity where not reused)
+    # [M, 1, D / 2], the first halves of rotate-half tables: rows [0, M) are rotated (identity where not
+    # reused)
+    cos: torch.Tensor
     sin: torch.Tensor
     # (U_k, B_k, U_v, B_v): the corrections that share one basis (and shift), their U factors listed
     # (U [L, KVH, R_i, r] each) so that each layer needs one product per basis (none for the identity
     # of full-rank rows); ``rows`` [R] are their key rows, group by group.
     corrections: list[tuple[list[Coeffs], Basis, list[Coeffs], Basis]]
     rows: torch.Tensor
+    first_layer: int = 0                         # layers before it have no corrections (states leave them out)
 
     def extend(self, slots: torch.Tensor) -> "GatheredView":
         """The same view followed by plain own keys (a request's tail as it grows)."""
@@ -53,14 +56,15 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
                     uks.append(d.key_coeffs())
                     uvs.append(d.value_coeffs())
         offset += n
-    m = max((a + n for a, n, _, _ in rotations), default=0)
-    cos = torch.ones(m, 1, realigner.head_dim, device=device, dtype=dtype)
-    sin = torch.zeros(m, 1, realigner.head_dim, device=device, dtype=dtype)
+    m, half = max((a + n for a, n, _, _ in rotations), default=0), realigner.head_dim // 2
+    cos = torch.ones(m, 1, half, device=device, dtype=dtype)
+    sin = torch.zeros(m, 1, half, device=device, dtype=dtype)
     for a, n, c, s in rotations:
-        cos[a:a + n], sin[a:a + n] = c, s
+        cos[a:a + n], sin[a:a + n] = c[:half], s[:half]
     corrections = [(uks, bk, uvs, bv) for _, uks, bk, uvs, bv in groups.values()]
     rows = torch.cat([r for g in groups.values() for r in g[0]]) if groups else torch.zeros(0, dtype=torch.long)
-    return GatheredView(torch.cat(slots).to(device), cos, sin, corrections, rows.to(device))
+    first = min((u.first for g in corrections for u in g[0] + g[2]), default=0)
+    return GatheredView(torch.cat(slots).to(device), cos, sin, corrections, rows.to(device), first)
 
 
 def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
@@ -69,8 +73,15 @@ def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
 
 
 def _coeffs(us: list[Coeffs], layer: int, dtype: torch.dtype) -> torch.Tensor:
-    """The listed U factors of one layer, side by side [KVH, sum R_i, r]."""
-    return us[0].at(layer, dtype) if len(us) == 1 else torch.cat([u.at(layer, dtype) for u in us], dim=1)
+    """The listed U factors of one layer, side by side [KVH, sum R_i, r]. Plain factors (int8 by
+    default) are joined before one cast: a decode step reads every state of the view in every layer, and
+    a cast per state was a fifth of a kvcmas decode step's op time on CPU."""
+    if len(us) == 1:
+        return us[0].at(layer, dtype)
+    first = us[0].first
+    if layer >= first and all(u.scale is None and u.first == first for u in us):
+        return torch.cat([u.u[layer - first] for u in us], dim=1).to(dtype)
+    return torch.cat([u.at(layer, dtype) for u in us], dim=1)
 
 
 def _dense(us: list[Coeffs], b: Basis, layer: int, dtype: torch.dtype) -> torch.Tensor:
@@ -85,8 +96,9 @@ def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor
     k, v = k_cache.index_select(0, view.slots), v_cache.index_select(0, view.slots)   # 2-3x faster than k[idx] on CPU
     m = view.cos.shape[0]
     if m:
-        k[:m] = rotate(k[:m], view.cos, view.sin)
-    if corrected and view.corrections:       # one scatter for all bases: per-call overhead dominates on CPU
+        rotate_(k[:m], view.cos, view.sin)    # k is a fresh gather: rotated in place
+    # One scatter for all bases (per-call overhead dominates on CPU); none where no state stores the layer.
+    if corrected and view.corrections and layer >= view.first_layer:
         k.index_add_(0, view.rows, torch.cat([_dense(uks, bk, layer, k.dtype) for uks, bk, _, _ in view.corrections]))
         v.index_add_(0, view.rows, torch.cat([_dense(uvs, bv, layer, v.dtype) for _, _, uvs, bv in view.corrections]))
     return k, v
@@ -101,7 +113,7 @@ LOWRANK_QUERY = 8
 def gathered_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        layer: int, scale: float) -> torch.Tensor:
     """Causal attention of the last len(q) positions over the view; q [Tq, H, D] -> [Tq, H, D]."""
-    if view.corrections and q.shape[0] <= LOWRANK_QUERY:
+    if view.corrections and q.shape[0] <= LOWRANK_QUERY:     # (also below first_layer: same numerics)
         return _lowrank_attention(q, view, k_cache, v_cache, layer, scale)
     k, v = gathered_kv(view, k_cache, v_cache, layer)
     return sdpa(q, k, v, scale)
@@ -119,9 +131,12 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
     scores = qg @ k.permute(1, 2, 0)                                    # [KVH, G*n, ctx]
     parts, offset = [], 0
     for uks, bk, uvs, bv in view.corrections:
+        n_rows = sum(u.u.shape[2] for u in uks)
+        rows = view.rows[offset:offset + n_rows]
+        offset += n_rows
+        if layer < min(u.first for u in uks):
+            continue                                  # the group stores nothing for this layer
         uk = _coeffs(uks, layer, q.dtype)
-        rows = view.rows[offset:offset + uk.shape[1]]
-        offset += uk.shape[1]
         qb = qg if bk.plain_identity else qg @ bk.at(layer, q.dtype).transpose(-1, -2)   # [KVH, G*n, r]
         scores.index_add_(-1, rows, qb @ uk.transpose(-1, -2))
         parts.append((rows, uvs, bv))

@@ -14,7 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kvcmas_agents.engine.model_args import ModelArgs
-from kvcmas_agents.engine.rope import SUPPORTED_SCALINGS, RotaryEmbedding, inv_frequencies, rotate
+from kvcmas_agents.engine.rope import SUPPORTED_SCALINGS, RotaryEmbedding, inv_frequencies, rotate, rotate_
 
 HEAD_DIM = 64
 HIDDEN = 256          # 4 heads of HEAD_DIM
@@ -135,6 +135,21 @@ def test_rotate_matches_apply_rotary_pos_emb(case):
     if rope.attention_factor == 1.0:
         torch.testing.assert_close(ours[0], x[0])
     assert not torch.allclose(ours[3], x[3], atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_in_place_is_bitwise_rotate(dtype):
+    rope = RotaryEmbedding(HEAD_DIM, 10000.0, None, MAX_POS, MAX_POS, torch.device("cpu"), dtype)
+    torch.manual_seed(1)
+    positions = torch.tensor([0, 3, 77, 200, 255])
+    x = torch.randn(5, 3, HEAD_DIM, dtype=dtype)
+    cos, sin = rope.cos_sin(positions)
+    expected = rotate(x, cos, sin)
+    work = x.clone()
+    out = rotate_(work, cos[..., :HEAD_DIM // 2], sin[..., :HEAD_DIM // 2])
+    assert out is work                                    # in place
+    assert torch.equal(out, expected)                     # same roundings, not just close
+    assert not torch.equal(out, x)
 
 
 def _pure_cos_sin(inv: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.lowrank import compress
+from kvcmas_agents.engine.lowrank import compress, compress_joint
 from kvcmas_agents.engine.realign import Realigner
 from kvcmas_agents.engine.rope import inv_frequencies
 from kvcmas_agents.engine.view_attention import OwnPiece, SegmentPiece, view_attention
-from kvcmas_agents.engine.view_gather import build_view, gathered_attention, gathered_mass_attention
+from kvcmas_agents.engine.view_gather import (_coeffs, build_view, gathered_attention, gathered_kv,
+                                              gathered_mass_attention)
 
 
 @pytest.mark.parametrize("head_dim, group, kv_heads, rank, tq", [
@@ -86,3 +87,37 @@ def test_mass_attention_matches_view_attention_with_gaps_and_inner_queries():
         assert torch.allclose(mass, torch.cat(ref_mass), atol=1e-5)
         # Every query's probabilities sum to one over the keys it sees: H heads x Tq queries in all.
         assert mass.sum().item() == pytest.approx(q.shape[0] * q.shape[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("tq", [1, 12])
+def test_joint_states_without_layer_zero(tq):
+    """States of one joint basis (one group, their int8 U joined before one cast) that leave out layer 0:
+    both gather paths match view_attention in every layer, and layer 0 reads the home keys as they are."""
+    torch.manual_seed(2)
+    head_dim, kv_heads, group, layers = 64, 3, 3, 3
+    k_cache, v_cache = torch.randn(300, kv_heads, head_dim), torch.randn(300, kv_heads, head_dim)
+    inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
+    realigner = Realigner(inv.float())
+    rows = [torch.tensor([0, 3, 7, 11]), torch.tensor([2, 5, 9]), torch.tensor([1, 4, 6, 8, 19])]
+    dks = [torch.randn(layers, kv_heads, r.numel(), head_dim) * 0.2 for r in rows]
+    states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, torch.int8, first_layer=1)
+    assert len({id(s.bk) for s in states}) == 1 and all(s.first_layer == 1 for s in states)
+    pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
+    for i, state in enumerate(states):
+        pieces.append(SegmentPiece(torch.arange(100 + 20 * i, 120 + 20 * i), torch.arange(8 + 20 * i, 28 + 20 * i),
+                                   5 - 4 * i, [state]))
+    pieces.append(OwnPiece(torch.arange(250, 250 + tq), torch.arange(68, 68 + tq)))
+    q = torch.randn(tq, kv_heads * group, head_dim)
+    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    assert view.first_layer == 1 and len(view.corrections) == 1 and len(view.corrections[0][0]) == 3
+    joined = _coeffs(view.corrections[0][0], 2, torch.float32)
+    assert torch.equal(joined, torch.cat([s.key_coeffs().at(2) for s in states], dim=1))
+    for layer in range(layers):
+        ref = view_attention(q, torch.arange(68, 68 + tq), pieces, k_cache, v_cache, layer, head_dim ** -0.5,
+                             realigner)
+        out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    k0, _ = gathered_kv(view, k_cache, v_cache, 0)
+    assert torch.equal(k0, gathered_kv(view, k_cache, v_cache, 0, corrected=False)[0])
+    k2, _ = gathered_kv(view, k_cache, v_cache, 2)
+    assert not torch.allclose(k2, gathered_kv(view, k_cache, v_cache, 2, corrected=False)[0], atol=1e-3)
