@@ -3,8 +3,9 @@
 Paged attention in torch already gathers each layer's context into a temporary tensor before SDPA.
 This path does the same for a view: home keys are rotated by their segment's delta and the low-rank
 rows are added while gathering, then one SDPA call runs. Nothing outlives the layer, so there is no
-per-agent copy of the view. ``view_attention`` (query-side rotation, scores-level low-rank terms) is the
-same math in the form the Triton kernel fuses; tests check the two agree.
+per-agent copy of the view. Decode-sized queries instead take the kernel's form (``_lowrank_attention``):
+the queries are rotated by minus each segment delta and the low-rank terms go into the scores and the
+output. ``view_attention`` is the same math, unbatched; tests check they all agree.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from .attention import grouped_attention, sdpa
 from .lowrank import Basis, Coeffs
 from .realign import Realigner
-from .rope import rotate_
+from .rope import rotate, rotate_
 from .view_attention import SegmentPiece
 
 
@@ -32,6 +33,12 @@ class GatheredView:
     corrections: list[tuple[list[Coeffs], Basis, list[Coeffs], Basis]]
     rows: torch.Tensor
     first_layer: int = 0                         # layers before it have no corrections (states leave them out)
+    # Query-side realignment for few queries: rotation class [M] of rows [0, M) (0: not rotated, c: by
+    # the c-th distinct delta), and the rotate-half tables [C, D] that move a query by minus each delta
+    # (row 0 the identity).
+    key_class: torch.Tensor | None = None
+    q_cos: torch.Tensor | None = None
+    q_sin: torch.Tensor | None = None
 
     def extend(self, slots: torch.Tensor) -> "GatheredView":
         """The same view followed by plain own keys (a request's tail as it grows)."""
@@ -47,7 +54,7 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
         slots.append(p.slots)
         if isinstance(p, SegmentPiece):
             if p.delta != 0:
-                rotations.append((offset, n, *realigner.cos_sin(p.delta, device, dtype)))
+                rotations.append((offset, n, p.delta, *realigner.cos_sin(p.delta, device, dtype)))
             for d in p.deltas:
                 if d.num_rows:
                     rows, uks, _, uvs, _ = groups.setdefault((_basis_id(d.bk, d.uk), _basis_id(d.bv, d.uv), d.shift),
@@ -56,15 +63,20 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
                     uks.append(d.key_coeffs())
                     uvs.append(d.value_coeffs())
         offset += n
-    m, half = max((a + n for a, n, _, _ in rotations), default=0), realigner.head_dim // 2
+    m, half = max((a + n for a, n, _, _, _ in rotations), default=0), realigner.head_dim // 2
     cos = torch.ones(m, 1, half, device=device, dtype=dtype)
     sin = torch.zeros(m, 1, half, device=device, dtype=dtype)
-    for a, n, c, s in rotations:
+    classes = {0: 0}
+    key_class = torch.zeros(m, dtype=torch.long)
+    for a, n, delta, c, s in rotations:
         cos[a:a + n], sin[a:a + n] = c[:half], s[:half]
+        key_class[a:a + n] = classes.setdefault(delta, len(classes))
+    tables = [realigner.cos_sin(-delta, device, dtype) for delta in classes]
     corrections = [(uks, bk, uvs, bv) for _, uks, bk, uvs, bv in groups.values()]
     rows = torch.cat([r for g in groups.values() for r in g[0]]) if groups else torch.zeros(0, dtype=torch.long)
     first = min((u.first for g in corrections for u in g[0] + g[2]), default=0)
-    return GatheredView(torch.cat(slots).to(device), cos, sin, corrections, rows.to(device), first)
+    return GatheredView(torch.cat(slots).to(device), cos, sin, corrections, rows.to(device), first,
+                        key_class.to(device), torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables]))
 
 
 def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
@@ -90,12 +102,12 @@ def _dense(us: list[Coeffs], b: Basis, layer: int, dtype: torch.dtype) -> torch.
 
 
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                layer: int, corrected: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                layer: int, corrected: bool = True, realigned: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's corrected keys and values [N, KVH, D] (temporary); ``corrected=False`` leaves out the
-    low-rank rows (realigned home keys only)."""
+    low-rank rows (realigned home keys only), ``realigned=False`` the rotation too (home keys as stored)."""
     k, v = k_cache.index_select(0, view.slots), v_cache.index_select(0, view.slots)   # 2-3x faster than k[idx] on CPU
     m = view.cos.shape[0]
-    if m:
+    if m and realigned:
         rotate_(k[:m], view.cos, view.sin)    # k is a fresh gather: rotated in place
     # One scatter for all bases (per-call overhead dominates on CPU); none where no state stores the layer.
     if corrected and view.corrections and layer >= view.first_layer:
@@ -108,12 +120,19 @@ def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor
 # per KV head) instead of into R dense key/value rows (r * D * R): decode steps no longer rebuild every
 # corrected row of the view in every layer.
 LOWRANK_QUERY = 8
+# Up to this many rotated queries (queries x rotation classes, the identity included), the queries are
+# rotated by minus each segment delta instead of rotating every reused key (R(-d) q . k == q . R(d) k):
+# on CPU the key rotation took as long as the scores themselves, while each rotated query costs one more
+# row of scores (a microbenchmark at SmolLM2 shapes and 2,000 keys: the break-even is near 9 for one
+# query). The bench pipeline's decode views have 8 classes (7 deltas: about two per home agent).
+QUERY_ROTATIONS = 9
 
 
 def gathered_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        layer: int, scale: float) -> torch.Tensor:
     """Causal attention of the last len(q) positions over the view; q [Tq, H, D] -> [Tq, H, D]."""
-    if view.corrections and q.shape[0] <= LOWRANK_QUERY:     # (also below first_layer: same numerics)
+    few = q.shape[0] <= LOWRANK_QUERY
+    if few and (view.corrections or _query_side(view, q.shape[0])):     # (also below first_layer: same numerics)
         return _lowrank_attention(q, view, k_cache, v_cache, layer, scale)
     k, v = gathered_kv(view, k_cache, v_cache, layer)
     return sdpa(q, k, v, scale)
@@ -123,12 +142,13 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
                        layer: int, scale: float) -> torch.Tensor:
     """gathered_attention for few queries: scores += (q . B_k^T) . U_k^T on corrected rows and
     output += (P[:, rows] . U_v) . B_v, over realigned home keys (the kernel's math, batched per basis)."""
-    k, v = gathered_kv(view, k_cache, v_cache, layer, corrected=False)
+    query_side = _query_side(view, q.shape[0])
+    k, v = gathered_kv(view, k_cache, v_cache, layer, corrected=False, realigned=not query_side)
     n, heads, dim = q.shape
     ctx, kvh = k.shape[0], k.shape[1]
     g = heads // kvh
     qg = q.view(n, kvh, g, dim).permute(1, 2, 0, 3).reshape(kvh, g * n, dim)
-    scores = qg @ k.permute(1, 2, 0)                                    # [KVH, G*n, ctx]
+    scores = _realigned_scores(qg, k, view) if query_side else qg @ k.permute(1, 2, 0)    # [KVH, G*n, ctx]
     parts, offset = [], 0
     for uks, bk, uvs, bv in view.corrections:
         n_rows = sum(u.u.shape[2] for u in uks)
@@ -150,6 +170,25 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
         pu = probs.index_select(-1, rows) @ _coeffs(uvs, layer, q.dtype)
         out += pu if bv.plain_identity else pu @ bv.at(layer, q.dtype)
     return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+
+
+def _query_side(view: GatheredView, queries: int) -> bool:
+    """Whether ``queries`` queries realign by rotating themselves (the view has rotated keys, few deltas)."""
+    return view.cos.shape[0] > 0 and view.q_cos is not None and view.q_cos.shape[0] * queries <= QUERY_ROTATIONS
+
+
+def _realigned_scores(qg: torch.Tensor, k: torch.Tensor, view: GatheredView) -> torch.Tensor:
+    """Scores [KVH, G*n, ctx] of queries qg [KVH, G*n, D] over unrotated home keys k [ctx, KVH, D]: each
+    key scored by the query moved by minus its segment's delta (one product for all deltas, then each
+    key's own column picked)."""
+    kvh, rows, dim = qg.shape
+    classes, ctx = view.q_cos.shape[0], k.shape[0]
+    moved = rotate(qg.unsqueeze(1), view.q_cos.view(1, classes, 1, dim).to(qg.dtype),
+                   view.q_sin.view(1, classes, 1, dim).to(qg.dtype))                 # [KVH, C, G*n, D]
+    every = (moved.reshape(kvh, classes * rows, dim) @ k.permute(1, 2, 0)).view(kvh, classes, rows, ctx)
+    m = view.key_class.shape[0]
+    cls = view.key_class if ctx == m else torch.cat([view.key_class, view.key_class.new_zeros(ctx - m)])
+    return every.gather(1, cls.view(1, 1, 1, ctx).expand(kvh, 1, rows, ctx)).view(kvh, rows, ctx)
 
 
 def gathered_mass_attention(q: torch.Tensor, q_positions: torch.Tensor, key_positions: torch.Tensor,

@@ -121,3 +121,41 @@ def test_joint_states_without_layer_zero(tq):
     assert torch.equal(k0, gathered_kv(view, k_cache, v_cache, 0, corrected=False)[0])
     k2, _ = gathered_kv(view, k_cache, v_cache, 2)
     assert not torch.allclose(k2, gathered_kv(view, k_cache, v_cache, 2, corrected=False)[0], atol=1e-3)
+
+
+@pytest.mark.parametrize("ndeltas, corrected", [(3, True), (3, False), (12, True)])
+def test_query_side_realignment_matches_key_rotation(monkeypatch, ndeltas, corrected):
+    """Few queries over a view with few distinct deltas rotate the queries, not the keys (with more
+    deltas than QUERY_ROTATIONS, the keys): same attention as view_attention either way, naive or not."""
+    import kvcmas_agents.engine.view_gather as vg
+    torch.manual_seed(3)
+    head_dim, kv_heads, group, layers, n = 64, 3, 3, 2, 12
+    k_cache, v_cache = torch.randn(400, kv_heads, head_dim), torch.randn(400, kv_heads, head_dim)
+    inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
+    realigner = Realigner(inv.float())
+    pieces = [OwnPiece(torch.arange(0, 5), torch.arange(5))]
+    for i in range(12):
+        rows = torch.tensor([0, 4, 9])
+        dk = torch.randn(layers, kv_heads, 3, head_dim) * 0.2
+        deltas = [compress(dk, dk.flip(-1), rows, 2, torch.int8)] if corrected else []
+        pieces.append(SegmentPiece(torch.arange(20 + n * i, 20 + n * (i + 1)), torch.arange(5 + n * i, 5 + n * (i + 1)),
+                                   (-1) ** i * (3 + i % ndeltas), deltas))
+    pieces.append(OwnPiece(torch.arange(300, 302), torch.arange(5 + 12 * n, 7 + 12 * n)))
+    q = torch.randn(2, kv_heads * group, head_dim)
+    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    assert view.q_cos.shape[0] == 1 + min(2 * ndeltas, 12)
+    assert vg._query_side(view, 1) == (ndeltas == 3) and not vg._query_side(view, 2)
+    monkeypatch.setattr(vg, "QUERY_ROTATIONS", 2 * view.q_cos.shape[0])          # both queries rotated
+    q_pos = torch.arange(5 + 12 * n, 7 + 12 * n)
+    for layer in range(layers):
+        ref = view_attention(q, q_pos, pieces, k_cache, v_cache, layer, head_dim ** -0.5, realigner)
+        out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+        monkeypatch.setattr(vg, "QUERY_ROTATIONS", 0)             # the key-rotating path on the same view
+        keyside = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        monkeypatch.setattr(vg, "QUERY_ROTATIONS", 2 * view.q_cos.shape[0])
+        assert torch.allclose(keyside, ref, atol=1e-5)
+    # Not vacuous: the deltas matter.
+    wrong = build_view([SegmentPiece(p.slots, p.positions, 0, p.deltas) if isinstance(p, SegmentPiece) else p
+                        for p in pieces], realigner, torch.device("cpu"), torch.float32)
+    assert not torch.allclose(gathered_attention(q, wrong, k_cache, v_cache, layer, head_dim ** -0.5), ref, atol=1e-3)
