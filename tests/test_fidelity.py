@@ -103,6 +103,7 @@ async def test_tiny_end_to_end_run(tmp_path):
                                 device="cpu", log=lambda msg: None, prefetch_ratio=0.8)
     # Engines got the caller's thread count, and the caller's own count is back after the run.
     assert result["config"]["torch_threads"] == threads == torch.get_num_threads()
+    assert result["config"]["device_used"] == "cpu" and result["config"]["dtype"] == "float32"
     paths = write_report(result, tmp_path)
     for key in ("json", "markdown", "plot"):
         assert paths[key].exists() and paths[key].stat().st_size > 0
@@ -127,3 +128,23 @@ async def test_tiny_end_to_end_run(tmp_path):
     assert rows[1.0]["first_token_kl_max"] < 1e-6        # recomputing everything is exact
     md = paths["markdown"].read_text()
     assert "| mini | kvcmas |" in md and "recompute_ratio" in md
+
+
+async def test_exact_engine_is_closed_even_when_the_exact_pass_fails():
+    """run_exact_and_close never leaves the exact engine's worker (and its OpenMP team) alive."""
+    from kvcmas_agents.fidelity.conversation import run_exact_and_close
+
+    class Failing:          # stands in for an Engine whose generate raises mid-pass
+        model_name, device, closed = "m", "cpu", False
+        model = type("M", (), {"dtype": torch.float32})()
+
+        async def generate(self, *args, **kwargs):
+            raise RuntimeError("engine broke")
+
+        async def aclose(self):
+            self.closed = True
+
+    engine = Failing()
+    with pytest.raises(RuntimeError, match="engine broke"):
+        await run_exact_and_close(engine, CSV, reply_tokens=4, eval_tokens=2)
+    assert engine.closed

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from ..engine import Engine, SamplingParams
-from ..fidelity.conversation import ExactTurn, run_exact
+from ..fidelity.conversation import ExactTurn, run_exact_and_close
 from ..fidelity.replay import ReplayTurn, replay
 from ..fidelity.summary import summarize
 from ..fidelity.caller_thread import single_threaded_caller
@@ -172,15 +172,9 @@ async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
         "sweep": [m.label for m in cfg.sweep], "torch_threads": threads}, "traces": {}}
     for trace in cfg.traces:
         t0 = time.perf_counter()
-        # Closed before the replays: an idle engine's worker keeps an OpenMP team of its own alive, and a
-        # second team slows the measured engine (EngineConfig.num_threads).
-        exact_engine = bench.engine(METHODS["none"])
-        try:
-            result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device),
-                                    dtype=str(exact_engine.model.dtype).replace("torch.", ""))
-            exact = await run_exact(exact_engine, trace.scenario, trace.reply_tokens, cfg.eval_tokens)
-        finally:
-            await exact_engine.aclose()
+        exact, served = await run_exact_and_close(bench.engine(METHODS["none"]), trace.scenario, trace.reply_tokens,
+                                                  cfg.eval_tokens)
+        result["config"].update(served)
         log(f"[bench] {trace.name}: exact pass, {len(exact)} turns, shared history up to "
             f"{max(t.shared_tokens for t in exact)} tokens, longest prompt "
             f"{max(t.prompt_tokens for t in exact)}, {time.perf_counter() - t0:.0f} s")

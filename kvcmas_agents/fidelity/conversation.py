@@ -71,3 +71,16 @@ async def run_exact(engine: Engine, scenario: Scenario, reply_tokens: int, eval_
                 out.finish_reason, tokens, torch.stack(out.logits[:len(tokens)]), list(out.token_ids)))
         history += [(a, t.reply) for a, t in zip(agents, turns[-len(agents):])]
     return turns
+
+
+async def run_exact_and_close(engine: Engine, scenario: Scenario, reply_tokens: int,
+                              eval_tokens: int) -> tuple[list[ExactTurn], dict[str, str]]:
+    """``run_exact``, then close the engine (also on failure): an idle engine's worker keeps an OpenMP
+    team alive, which slows the engines measured after it (EngineConfig.num_threads). Returns the turns
+    and what the engine ran on (model name, device, dtype)."""
+    try:
+        served = {"model_name": engine.model_name, "device_used": str(engine.device),
+                  "dtype": str(engine.model.dtype).replace("torch.", "")}
+        return await run_exact(engine, scenario, reply_tokens, eval_tokens), served
+    finally:
+        await engine.aclose()

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 
 from ..engine import Engine, EngineConfig, ReuseOptions
 from .caller_thread import single_threaded_caller
-from .conversation import ExactTurn, run_exact
+from .conversation import ExactTurn, run_exact_and_close
 from .replay import ReplayTurn, replay
 from .scenarios import Scenario
 from .summary import check_targets, pooled, summarize
@@ -101,14 +101,8 @@ async def _run(runner: _Runner, scenarios: Sequence[Scenario], modes: Sequence[s
         "scenarios": {}}
     for scenario in scenarios:
         t0 = time.perf_counter()
-        # Closed before the replays: an idle engine's worker keeps an OpenMP team alive, which slows the
-        # replayed engine's small ops (EngineConfig.num_threads).
-        exact_engine = runner.engine("none")
-        try:
-            result["config"].update(model_name=exact_engine.model_name, device_used=str(exact_engine.device))
-            exact = await run_exact(exact_engine, scenario, reply_tokens, eval_tokens)
-        finally:
-            await exact_engine.aclose()
+        exact, served = await run_exact_and_close(runner.engine("none"), scenario, reply_tokens, eval_tokens)
+        result["config"].update(served)
         exact_s = time.perf_counter() - t0
         log(f"[fidelity] {scenario.name}: exact pass, {len(exact)} turns, shared history "
             f"{exact[0].shared_tokens} -> {exact[-1].shared_tokens} tokens, {exact_s:.0f} s")
