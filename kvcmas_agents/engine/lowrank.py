@@ -184,6 +184,22 @@ class Coeffs:
         """Bits per code of quantized rows (4 or 8); 0 for factors."""
         return 0 if self.scale is None else (4 if self.u.dtype == torch.uint8 else 8)
 
+    @property
+    def num_rows(self) -> int:
+        return self.u.shape[2]
+
+    @staticmethod
+    def joined(us: list["Coeffs"], layer: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Several U factors' ``at(layer)`` side by side [KVH, sum R_i, r]. Plain factors (int8 by
+        default) are joined before one cast: a decode step reads every state of its view in every layer,
+        and a cast per state was a fifth of a kvcmas decode step's op time on CPU."""
+        if len(us) == 1:
+            return us[0].at(layer, dtype)
+        first = us[0].first
+        if layer >= first and all(u.scale is None and u.first == first for u in us):
+            return torch.cat([u.u[layer - first] for u in us], dim=1).to(dtype)
+        return torch.cat([u.at(layer, dtype) for u in us], dim=1)
+
     def at(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One layer's coefficients [KVH, R, r] (or all of them for the default slice), in ``dtype``."""
         return _layer_of(self.first, layer, lambda i: self._stored(i, dtype),

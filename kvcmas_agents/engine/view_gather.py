@@ -32,17 +32,19 @@ class GatheredView:
     # of full-rank rows); ``rows`` [R] are their key rows, group by group.
     corrections: list[tuple[list[Coeffs], Basis, list[Coeffs], Basis]]
     rows: torch.Tensor
-    first_layer: int = 0                         # layers before it have no corrections (states leave them out)
-    # Query-side realignment for few queries: rotation class [M] of rows [0, M) (0: not rotated, c: by
-    # the c-th distinct delta), and the rotate-half tables [C, D] that move a query by minus each delta
+    first_layer: int                             # layers before it have no corrections (states leave them out)
+    # Query-side realignment for few queries: rotation class [N] of every key (0: not rotated, c: by the
+    # c-th distinct delta), and the rotate-half tables [C, D] that move a query by minus each delta
     # (row 0 the identity).
-    key_class: torch.Tensor | None = None
-    q_cos: torch.Tensor | None = None
-    q_sin: torch.Tensor | None = None
+    key_class: torch.Tensor
+    q_cos: torch.Tensor
+    q_sin: torch.Tensor
 
     def extend(self, slots: torch.Tensor) -> "GatheredView":
         """The same view followed by plain own keys (a request's tail as it grows)."""
-        return replace(self, slots=torch.cat([self.slots, slots.to(self.slots.device)]))
+        slots = slots.to(self.slots.device)
+        return replace(self, slots=torch.cat([self.slots, slots]),
+                       key_class=torch.cat([self.key_class, self.key_class.new_zeros(slots.numel())]))
 
 
 def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: torch.dtype) -> GatheredView:
@@ -67,7 +69,7 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
     cos = torch.ones(m, 1, half, device=device, dtype=dtype)
     sin = torch.zeros(m, 1, half, device=device, dtype=dtype)
     classes = {0: 0}
-    key_class = torch.zeros(m, dtype=torch.long)
+    key_class = torch.zeros(offset, dtype=torch.long)
     for a, n, delta, c, s in rotations:
         cos[a:a + n], sin[a:a + n] = c[:half], s[:half]
         key_class[a:a + n] = classes.setdefault(delta, len(classes))
@@ -84,20 +86,8 @@ def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
     return id(b) if b is not None else ("identity", u.shape[-1], u.dtype)
 
 
-def _coeffs(us: list[Coeffs], layer: int, dtype: torch.dtype) -> torch.Tensor:
-    """The listed U factors of one layer, side by side [KVH, sum R_i, r]. Plain factors (int8 by
-    default) are joined before one cast: a decode step reads every state of the view in every layer, and
-    a cast per state was a fifth of a kvcmas decode step's op time on CPU."""
-    if len(us) == 1:
-        return us[0].at(layer, dtype)
-    first = us[0].first
-    if layer >= first and all(u.scale is None and u.first == first for u in us):
-        return torch.cat([u.u[layer - first] for u in us], dim=1).to(dtype)
-    return torch.cat([u.at(layer, dtype) for u in us], dim=1)
-
-
 def _dense(us: list[Coeffs], b: Basis, layer: int, dtype: torch.dtype) -> torch.Tensor:
-    u = _coeffs(us, layer, dtype)
+    u = Coeffs.joined(us, layer, dtype)
     return (u if b.plain_identity else u @ b.at(layer, dtype)).transpose(0, 1)          # [R, KVH, D]
 
 
@@ -151,12 +141,12 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
     scores = _realigned_scores(qg, k, view) if query_side else qg @ k.permute(1, 2, 0)    # [KVH, G*n, ctx]
     parts, offset = [], 0
     for uks, bk, uvs, bv in view.corrections:
-        n_rows = sum(u.u.shape[2] for u in uks)
+        n_rows = sum(u.num_rows for u in uks)
         rows = view.rows[offset:offset + n_rows]
         offset += n_rows
         if layer < min(u.first for u in uks):
             continue                                  # the group stores nothing for this layer
-        uk = _coeffs(uks, layer, q.dtype)
+        uk = Coeffs.joined(uks, layer, q.dtype)
         qb = qg if bk.plain_identity else qg @ bk.at(layer, q.dtype).transpose(-1, -2)   # [KVH, G*n, r]
         scores.index_add_(-1, rows, qb @ uk.transpose(-1, -2))
         parts.append((rows, uvs, bv))
@@ -167,14 +157,14 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
     probs = torch.softmax(scores, dim=-1).view(kvh, g * n, ctx)
     out = probs @ v.transpose(0, 1)                                     # [KVH, G*n, D]
     for rows, uvs, bv in parts:
-        pu = probs.index_select(-1, rows) @ _coeffs(uvs, layer, q.dtype)
+        pu = probs.index_select(-1, rows) @ Coeffs.joined(uvs, layer, q.dtype)
         out += pu if bv.plain_identity else pu @ bv.at(layer, q.dtype)
     return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 
 def _query_side(view: GatheredView, queries: int) -> bool:
     """Whether ``queries`` queries realign by rotating themselves (the view has rotated keys, few deltas)."""
-    return view.cos.shape[0] > 0 and view.q_cos is not None and view.q_cos.shape[0] * queries <= QUERY_ROTATIONS
+    return view.cos.shape[0] > 0 and view.q_cos.shape[0] * queries <= QUERY_ROTATIONS
 
 
 def _realigned_scores(qg: torch.Tensor, k: torch.Tensor, view: GatheredView) -> torch.Tensor:
@@ -186,9 +176,7 @@ def _realigned_scores(qg: torch.Tensor, k: torch.Tensor, view: GatheredView) -> 
     moved = rotate(qg.unsqueeze(1), view.q_cos.view(1, classes, 1, dim).to(qg.dtype),
                    view.q_sin.view(1, classes, 1, dim).to(qg.dtype))                 # [KVH, C, G*n, D]
     every = (moved.reshape(kvh, classes * rows, dim) @ k.permute(1, 2, 0)).view(kvh, classes, rows, ctx)
-    m = view.key_class.shape[0]
-    cls = view.key_class if ctx == m else torch.cat([view.key_class, view.key_class.new_zeros(ctx - m)])
-    return every.gather(1, cls.view(1, 1, 1, ctx).expand(kvh, 1, rows, ctx)).view(kvh, rows, ctx)
+    return every.gather(1, view.key_class.view(1, 1, 1, ctx).expand(kvh, 1, rows, ctx)).view(kvh, rows, ctx)
 
 
 def gathered_mass_attention(q: torch.Tensor, q_positions: torch.Tensor, key_positions: torch.Tensor,

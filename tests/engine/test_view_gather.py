@@ -4,12 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.lowrank import compress, compress_joint
+from kvcmas_agents.engine.lowrank import Coeffs, compress, compress_joint
 from kvcmas_agents.engine.realign import Realigner
 from kvcmas_agents.engine.rope import inv_frequencies
 from kvcmas_agents.engine.view_attention import OwnPiece, SegmentPiece, view_attention
-from kvcmas_agents.engine.view_gather import (_coeffs, build_view, gathered_attention, gathered_kv,
-                                              gathered_mass_attention)
+from kvcmas_agents.engine.view_gather import build_view, gathered_attention, gathered_kv, gathered_mass_attention
 
 
 @pytest.mark.parametrize("head_dim, group, kv_heads, rank, tq", [
@@ -110,7 +109,7 @@ def test_joint_states_without_layer_zero(tq):
     q = torch.randn(tq, kv_heads * group, head_dim)
     view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
     assert view.first_layer == 1 and len(view.corrections) == 1 and len(view.corrections[0][0]) == 3
-    joined = _coeffs(view.corrections[0][0], 2, torch.float32)
+    joined = Coeffs.joined(view.corrections[0][0], 2, torch.float32)
     assert torch.equal(joined, torch.cat([s.key_coeffs().at(2) for s in states], dim=1))
     for layer in range(layers):
         ref = view_attention(q, torch.arange(68, 68 + tq), pieces, k_cache, v_cache, layer, head_dim ** -0.5,
