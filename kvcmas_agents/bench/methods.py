@@ -19,10 +19,11 @@ class Method:
     prefetch_ratio: float | None = None
     value_bits: int | None = None
     key_bits: int | None = None
+    small_rows: bool | None = None
 
     def _knobs(self) -> dict:
         return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio",
-                                              "value_bits", "key_bits") if getattr(self, k) is not None}
+                                              "value_bits", "key_bits", "small_rows") if getattr(self, k) is not None}
 
     def config(self, model: str | None, device: str, **extra) -> EngineConfig:
         return EngineConfig(model=model, device=device, reuse=self.reuse, **self._knobs(), **extra)
@@ -30,7 +31,8 @@ class Method:
     @property
     def label(self) -> str:
         short = {"recompute_ratio": "r", "rank": "k", "reference": "ref", "prefetch": "prefetch",
-                 "prefetch_ratio": "pr", "value_bits": "vbits", "key_bits": "kbits"}
+                 "prefetch_ratio": "pr", "value_bits": "vbits", "key_bits": "kbits",
+                 "small_rows": "rows"}
         knobs = self._knobs()
         if not knobs:
             return self.name
@@ -44,6 +46,8 @@ METHODS: dict[str, Method] = {
     "cacheblend": Method("cacheblend", "cacheblend", recompute_ratio=0.15),   # CacheBlend's ~15% HKVD
     "kvcomm": Method("kvcomm", "kvcomm"),              # anchor pool of full-size offsets
     "kvcmas": Method("kvcmas", "kvcmas"),              # ours, engine-default knobs
+    # ours with every side factored, small corrections too (EngineConfig.small_rows=False): the ablation
+    "kvcmas-svd": Method("kvcmas-svd", "kvcmas", small_rows=False),
     # ours with the values kept as 4-bit rows (EngineConfig.value_bits): fewer bytes, see README
     "kvcmas-v4": Method("kvcmas-v4", "kvcmas", value_bits=4),
     # ours with keys as 8-bit rows (channel then row scales) and values as 4-bit rows: no SVD at all

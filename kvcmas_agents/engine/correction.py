@@ -55,6 +55,7 @@ class Corrector:
         self.int8_basis = False        # correction_dtype "int8_basis": B in int8 too
         self.value_bits = 0            # EngineConfig.value_bits: value rows kept full rank, quantized per row
         self.key_bits = 0              # EngineConfig.key_bits: key rows so too, after per-channel scales
+        self.small_rows = True         # EngineConfig.small_rows: 8-bit rows where factors would be larger
         self.newest_whole = True       # EngineConfig.recompute_newest
         self.keep_energy = 1.0         # EngineConfig.correction_energy
         self.rows_dropped = 0          # recomputed rows whose deviation was too faint to store
@@ -318,9 +319,10 @@ class Corrector:
         dtype, vbits, kbits = (None, 0, 0) if full else (self.state_dtype, self.value_bits, self.key_bits)
         first = 0 if full else min(UNCORRECTED_LAYERS, m.args.num_layers - 1)
         if self.joint_basis and len(pending) > 1 and not full:
-            states = compress_joint(dk, dv, rows_of, rank, dtype, self.int8_basis, vbits, kbits, first)
+            states = compress_joint(dk, dv, rows_of, rank, dtype, self.int8_basis, vbits, kbits, first,
+                                    self.small_rows)
         else:
-            states = [compress(k, v, r, rank, dtype, self.int8_basis, vbits, kbits, first)
+            states = [compress(k, v, r, rank, dtype, self.int8_basis, vbits, kbits, first, self.small_rows)
                       for k, v, r in zip(dk, dv, rows_of)]
         for p, state in zip(pending, states):
             self._store(req, p, state, sel[id(p)].numel())     # recomputed, whether stored or not

@@ -33,6 +33,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.value_bits: 0 factors the values (default), 4/8 keeps them as quantized rows")
     parser.add_argument("--key-bits", type=int, choices=(0, 4, 8), default=0,
                         help="EngineConfig.key_bits: 0 factors the keys (default), 4/8 keeps them as quantized rows")
+    parser.add_argument("--no-small-rows", action="store_true",
+                        help="EngineConfig.small_rows=False: factor small corrections too (the storage before it)")
     parser.add_argument("--prefetch-ratio", type=float, default=None,
                         help="EngineConfig.prefetch_ratio of ahead-of-time corrections (engine default)")
     parser.add_argument("--sweep-scenario", default=None, help="scenario of the sweep (default: the first)")
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         knobs=ReuseOptions(recompute_ratio=args.recompute_ratio, rank=args.rank, reference=args.reference),
         reply_tokens=args.reply_tokens or preset["reply_tokens"], eval_tokens=args.eval_tokens or preset["eval_tokens"],
         sweep=sweep, model=args.model, device=args.device, full_decode=args.decode == "full",
-        value_bits=args.value_bits, key_bits=args.key_bits,
+        value_bits=args.value_bits, key_bits=args.key_bits, small_rows=not args.no_small_rows,
         prefetch_ratio=args.prefetch_ratio))
     result["config"]["quick"] = args.quick
     paths = write_report(result, args.out)

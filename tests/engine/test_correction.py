@@ -247,17 +247,21 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
 
 
 async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine):
-    """The default keeps U in int8 (B in bf16, carrying U's scales) for keys and values; value_bits=4
+    """Factors keep U in int8 (B in bf16, carrying U's scales) for keys and values; value_bits=4
     keeps the values as 4-bit rows instead (one bf16 scale per row, no B_v), key_bits=4 the keys too
-    (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too. Each stays far closer to
+    (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too. The default (small_rows) keeps
+    this small correction's rows in 8 bits, in fewer bytes than its factors. Each stays far closer to
     exact than the same reuse uncorrected."""
     history = await conversation(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
-    kinds = {"default": {}, "value_rows": {"value_bits": 4}, "key_rows": {"key_bits": 4, "value_bits": 4},
-             "int8_basis": {"correction_dtype": "int8_basis"},
-             "bfloat16": {"correction_dtype": "bfloat16"}, "float32": {"correction_dtype": "float32"}}
-    assert (EngineConfig().correction_dtype, EngineConfig().value_bits, EngineConfig().key_bits) == ("int8", 0, 0)
+    factors = {"small_rows": False}
+    kinds = {"default": factors, "value_rows": {"value_bits": 4, **factors},
+             "key_rows": {"key_bits": 4, "value_bits": 4}, "int8_basis": {"correction_dtype": "int8_basis", **factors},
+             "bfloat16": {"correction_dtype": "bfloat16"}, "float32": {"correction_dtype": "float32"},
+             "small_rows": {}}
+    assert (EngineConfig().correction_dtype, EngineConfig().value_bits, EngineConfig().key_bits,
+            EngineConfig().small_rows) == ("int8", 0, 0, True)
     for kind, knobs in kinds.items():
         eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, **knobs))
         try:
@@ -281,6 +285,9 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     assert dtypes["key_rows"] == ({torch.uint8}, {None}, {torch.uint8}, {None})
     assert dtypes["int8_basis"] == ({torch.int8}, {torch.int8}, {torch.int8}, {torch.int8})
     assert dtypes["bfloat16"][0] == {torch.bfloat16} and dtypes["float32"][0] == {torch.float32}
+    assert dtypes["small_rows"] == ({torch.int8}, {None}, {torch.int8}, {None})
+    assert all(s.rk is not None and s.ck is not None and s.rv is not None for s in states["small_rows"])
+    assert sum(s.num_rows for s in states["small_rows"]) == sum(s.num_rows for s in states["default"]) < 192
     u_bytes = {d: sum(s.uk.nbytes + s.uv.nbytes for s in states[d]) for d in ("default", "bfloat16", "float32")}
     assert u_bytes["default"] * 4 == u_bytes["bfloat16"] * 2 == u_bytes["float32"]
     b_bytes = {d: unique_nbytes(states[d], bases_only=True) for d in states}
@@ -288,6 +295,7 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     assert b_bytes["bfloat16"] * 2 == b_bytes["float32"] and b_bytes["int8_basis"] < 0.3 * b_bytes["float32"]
     total = {d: unique_nbytes(states[d]) for d in states}
     assert total["key_rows"] < 0.85 * total["value_rows"] < 0.85 ** 2 * total["default"]
+    assert total["small_rows"] < total["default"]
     exact = await engine.generate(prompt("coder", history), agent="c-exact", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="none"))
     off = {k: kl(exact.logits[0], o.logits[0]) for k, o in outs.items()}

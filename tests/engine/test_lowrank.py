@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcmas_agents.engine.lowrank import (LowRankDelta, apply_to, captured_energy, compose, compress, compress_joint,
-                                          strongest_rows, unique_nbytes)
+                                          rows_are_smaller, strongest_rows, unique_nbytes)
 
 L, KVH, D = 3, 2, 16
 
@@ -335,3 +335,45 @@ def test_joint_states_drop_the_first_layer_together():
     states = compress_joint(list(dks), list(dvs), rows, 6, torch.int8, first_layer=1)
     assert all(s.first_layer == 1 and s.uk.shape[0] == L - 1 for s in states)
     assert states[0].bk is states[1].bk and states[0].bk.shape[0] == L - 1
+
+
+def test_rows_are_smaller_counts_the_bytes_of_both_storages():
+    """At the engine's shape (rank 40, head_dim 64): 8-bit key rows (66 bytes a row and 128 of channel
+    scales) beat int8 U plus bf16 B (40 bytes a row and 5,120) below 192 rows; value rows, without
+    channel scales, below 197; against an int8 B (2,560 bytes and 160 of scales), below 100."""
+    assert rows_are_smaller(191, 64, 40, False, channels=True) and not rows_are_smaller(192, 64, 40, False, True)
+    assert rows_are_smaller(196, 64, 40, False, channels=False) and not rows_are_smaller(197, 64, 40, False, False)
+    assert rows_are_smaller(99, 64, 40, True, True) and not rows_are_smaller(100, 64, 40, True, True)
+    assert rows_are_smaller(10, 64, 40, False, True)          # r = min(rank, rows) = 10 still loses
+    assert not rows_are_smaller(5000, 64, 64, False, True)     # full rank: int8 U beats rows with scales
+
+
+def test_small_rows_keep_the_rows_of_a_side_whose_factors_would_be_larger():
+    """small_rows: a small deviation is stored as 8-bit rows (keys with channel scales), which take fewer
+    bytes and lose far less than its SVD; a large one keeps its factors, bit for bit; only int8 factors
+    are replaced, and an explicit key_bits/value_bits wins."""
+    dk, dv = _devs(12)
+    dk[..., :2] *= 30.0
+    rows = torch.arange(12) * 3
+    small = compress(dk, dv, rows, 8, torch.int8, small_rows=True)
+    factored = compress(dk, dv, rows, 8, torch.int8)
+    assert small.bk is None and small.bv is None and small.ck is not None and small.cv is None
+    assert small.key_coeffs().bits == small.value_coeffs().bits == 8
+    assert small.nbytes < factored.nbytes
+    got_k, got_v = _dense_all(small)
+    fk, fv = _dense_all(factored)
+    for got, ref, fac in ((got_k, dk, fk), (got_v, dv, fv)):
+        err = ((got - ref).norm() / ref.norm()).item()
+        assert err < 0.01 and err < ((fac - ref).norm() / ref.norm()).item() / 4, err
+    big_k, big_v = _devs(40, seed=1)
+    big = compress(big_k, big_v, torch.arange(40), 8, torch.int8, small_rows=True)
+    plain = compress(big_k, big_v, torch.arange(40), 8, torch.int8)
+    assert big.bk is not None and torch.equal(big.uk, plain.uk) and torch.equal(big.bv, plain.bv)
+    assert compress(dk, dv, rows, 8, torch.bfloat16, small_rows=True).bk is not None
+    assert compress(dk, dv, rows, 8, torch.int8, value_bits=4, small_rows=True).value_coeffs().bits == 4
+    # A joint basis decides on all its segments' rows: two of 12 rows each are factored together
+    # (24 rows: 448 bytes of factors against 464 of key rows), though either alone would be rows.
+    a, b = _devs(12, seed=2), _devs(12, seed=3)
+    parts = compress_joint([a[0], b[0]], [a[1], b[1]], [rows, rows + 1], 8, torch.int8, small_rows=True)
+    assert parts[0].bk is parts[1].bk is not None
+    assert compress_joint([a[0]], [a[1]], [rows], 8, torch.int8, small_rows=True)[0].bk is None

@@ -158,3 +158,46 @@ def test_query_side_realignment_matches_key_rotation(monkeypatch, ndeltas, corre
     wrong = build_view([SegmentPiece(p.slots, p.positions, 0, p.deltas) if isinstance(p, SegmentPiece) else p
                         for p in pieces], realigner, torch.device("cpu"), torch.float32)
     assert not torch.allclose(gathered_attention(q, wrong, k_cache, v_cache, layer, head_dim ** -0.5), ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("tq", [1, 12])
+def test_row_states_of_several_requests_are_joined_in_one_group(tq):
+    """Small corrections kept as 8-bit rows (small_rows), from two requests with their own channel
+    scales, share the identity group: their rows are dequantized together, each with its own channel
+    scales, equal to reading them one by one; mixed with 4-bit rows they are read one by one. Both
+    gather paths match view_attention."""
+    torch.manual_seed(4)
+    head_dim, kv_heads, group, layers = 64, 3, 3, 3
+    k_cache, v_cache = torch.randn(300, kv_heads, head_dim), torch.randn(300, kv_heads, head_dim)
+    inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
+    realigner = Realigner(inv.float())
+    rows = [torch.tensor([0, 3, 7, 11]), torch.tensor([2, 5, 9]), torch.tensor([1, 4, 6, 8, 19])]
+    dks = [torch.randn(layers, kv_heads, r.numel(), head_dim) * 0.2 for r in rows]
+    for d in dks:
+        d[..., :3] *= 20.0                                   # large key channels
+    first = compress_joint(dks[:2], [d.flip(-1) for d in dks[:2]], rows[:2], 40, torch.int8, first_layer=1,
+                           small_rows=True)
+    second = compress(dks[2], dks[2].flip(-1), rows[2], 40, torch.int8, first_layer=1, small_rows=True)
+    states = first + [second]
+    assert all(s.bk is None and s.ck is not None and s.rv is not None for s in states)
+    assert first[0].ck is first[1].ck and first[0].ck is not second.ck
+    pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
+    for i, state in enumerate(states):
+        pieces.append(SegmentPiece(torch.arange(100 + 20 * i, 120 + 20 * i), torch.arange(8 + 20 * i, 28 + 20 * i),
+                                   5 - 4 * i, [state]))
+    pieces.append(OwnPiece(torch.arange(250, 250 + tq), torch.arange(68, 68 + tq)))
+    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    assert len(view.corrections) == 1 and len(view.corrections[0][0]) == 3
+    for layer in range(layers):
+        for side in (0, 2):
+            us = view.corrections[0][side]
+            assert torch.equal(Coeffs.joined(us, layer), torch.cat([u.at(layer) for u in us], dim=1))
+    q = torch.randn(tq, kv_heads * group, head_dim)
+    for layer in range(layers):
+        ref = view_attention(q, torch.arange(68, 68 + tq), pieces, k_cache, v_cache, layer, head_dim ** -0.5,
+                             realigner)
+        out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    four = compress(dks[2], dks[2].flip(-1), rows[2], 40, torch.int8, value_bits=4, key_bits=4, first_layer=1)
+    mixed = [first[0].key_coeffs(), four.key_coeffs()]
+    assert torch.equal(Coeffs.joined(mixed, 2), torch.cat([u.at(2) for u in mixed], dim=1))

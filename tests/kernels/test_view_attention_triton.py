@@ -23,7 +23,7 @@ ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, lengths=(6, 37, 23), factors=None,
-              int8_basis=False, value_bits=0, key_bits=0):
+              int8_basis=False, value_bits=0, key_bits=0, small_rows=False):
     """Own prefix + two reused segments (deltas 13 and -4) + own tail whose last tq tokens query."""
     g = torch.Generator().manual_seed(seed)
     slots_total = 400
@@ -41,7 +41,7 @@ def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, len
         dk = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
         dv = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
         return compress(dk, dv, rows, rank, dtype=factors or dtype, int8_basis=int8_basis, value_bits=value_bits,
-                        key_bits=key_bits)
+                        key_bits=key_bits, small_rows=small_rows)
 
     pieces = [OwnPiece(slots[0], pos[0])]
     for i, delta in enumerate((13, -4)):
@@ -140,6 +140,24 @@ def test_key_and_value_rows_match_oracle(dtype):
     assert seg.deltas[0].bk is None and seg.deltas[0].key_coeffs().bits == 4 and seg.deltas[0].ck is not None
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
                              [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
+    _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_row_states_beside_factored_ones_match_oracle(dtype):
+    """small_rows: a small correction's keys and values kept as 8-bit rows (keys with channel scales),
+    chained before a factored state in the same view and owing a shift; the kernel pads both to one rank."""
+    q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 1, 5, dtype, seed=19,
+                                                        factors=torch.int8, small_rows=True)
+    small = pieces[1].deltas[0]
+    assert small.bk is None and small.bv is None and small.key_coeffs().bits == 8 and small.ck is not None
+    g = torch.Generator().manual_seed(3)
+    rows = torch.arange(0, 37, 2)
+    factored = compress(0.5 * torch.randn(LAYERS, 2, rows.numel(), 64, generator=g),
+                        0.5 * torch.randn(LAYERS, 2, rows.numel(), 64, generator=g), rows, 8, dtype=torch.int8).to(DEV)
+    assert factored.bk is not None
+    seg = pieces[1]
+    pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta, [realigner.rotate_delta(small, 9), factored])
     _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
 
 
