@@ -4,7 +4,8 @@ For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per 
 (likewise for V), with ``U`` [L, KVH, R, r] and ``B`` [L, KVH, r, D]. Each side (K, V) is
 - low rank: a rank-r truncated SVD, singular values folded into U; an int8 U's per-component scales
   fold into B, and an int8 B (``int8_basis``) carries one fp32 scale per component (``sk``/``sv``); or
-- full rank (``compress(value_bits=...)`` for the values, ``key_bits=...`` for the keys): U is the
+- full rank (``compress(value_bits=...)`` for the values, ``key_bits=...`` for the keys, and with
+  ``small_rows`` any int8 side whose factors would be larger, as 8-bit rows): U is the
   deviation rows themselves, quantized per row to 4 or 8 bits with one bf16 scale per row and head
   (``rk``/``rv``), key rows after dividing by one bf16 scale per channel (``ck``), and B is the
   identity (not stored).
