@@ -88,17 +88,22 @@ def test_mass_attention_matches_view_attention_with_gaps_and_inner_queries():
         assert mass.sum().item() == pytest.approx(q.shape[0] * q.shape[1], rel=1e-5)
 
 
+def _three_segments(seed: int, head_dim: int, kv_heads: int, layers: int):
+    """A random KV cache, a realigner, and three segments' corrected rows with their key deviations."""
+    torch.manual_seed(seed)
+    k_cache, v_cache = torch.randn(300, kv_heads, head_dim), torch.randn(300, kv_heads, head_dim)
+    inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
+    rows = [torch.tensor([0, 3, 7, 11]), torch.tensor([2, 5, 9]), torch.tensor([1, 4, 6, 8, 19])]
+    dks = [torch.randn(layers, kv_heads, r.numel(), head_dim) * 0.2 for r in rows]
+    return k_cache, v_cache, Realigner(inv.float()), rows, dks
+
+
 @pytest.mark.parametrize("tq", [1, 12])
 def test_joint_states_without_layer_zero(tq):
     """States of one joint basis (one group, their int8 U joined before one cast) that leave out layer 0:
     both gather paths match view_attention in every layer, and layer 0 reads the home keys as they are."""
-    torch.manual_seed(2)
     head_dim, kv_heads, group, layers = 64, 3, 3, 3
-    k_cache, v_cache = torch.randn(300, kv_heads, head_dim), torch.randn(300, kv_heads, head_dim)
-    inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
-    realigner = Realigner(inv.float())
-    rows = [torch.tensor([0, 3, 7, 11]), torch.tensor([2, 5, 9]), torch.tensor([1, 4, 6, 8, 19])]
-    dks = [torch.randn(layers, kv_heads, r.numel(), head_dim) * 0.2 for r in rows]
+    k_cache, v_cache, realigner, rows, dks = _three_segments(2, head_dim, kv_heads, layers)
     states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, torch.int8, first_layer=1)
     assert len({id(s.bk) for s in states}) == 1 and all(s.first_layer == 1 for s in states)
     pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
@@ -166,13 +171,8 @@ def test_row_states_of_several_requests_are_joined_in_one_group(tq):
     scales, share the identity group: their rows are dequantized together, each with its own channel
     scales, equal to reading them one by one; mixed with 4-bit rows they are read one by one. Both
     gather paths match view_attention."""
-    torch.manual_seed(4)
     head_dim, kv_heads, group, layers = 64, 3, 3, 3
-    k_cache, v_cache = torch.randn(300, kv_heads, head_dim), torch.randn(300, kv_heads, head_dim)
-    inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
-    realigner = Realigner(inv.float())
-    rows = [torch.tensor([0, 3, 7, 11]), torch.tensor([2, 5, 9]), torch.tensor([1, 4, 6, 8, 19])]
-    dks = [torch.randn(layers, kv_heads, r.numel(), head_dim) * 0.2 for r in rows]
+    k_cache, v_cache, realigner, rows, dks = _three_segments(4, head_dim, kv_heads, layers)
     for d in dks:
         d[..., :3] *= 20.0                                   # large key channels
     first = compress_joint(dks[:2], [d.flip(-1) for d in dks[:2]], rows[:2], 40, torch.int8, first_layer=1,
