@@ -348,7 +348,7 @@ def rows_are_smaller(rows: int, dim: int, rank: int, int8_basis: bool, channels:
     then also near exact (about 0.003% of the deviation's energy lost, against 1-2% for its SVD)."""
     r = min(rank, rows, dim)
     factors = rows * r + (r * dim + 4 * r if int8_basis else 2 * r * dim)
-    return rows * (dim + 2) + (2 * dim if channels else 0) < factors
+    return rows * (dim * SMALL_ROW_BITS // 8 + 2) + (2 * dim if channels else 0) < factors
 
 
 def _side(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, bits: int, channels: bool) -> tuple:
