@@ -53,13 +53,19 @@ class EngineConfig:
         layer and KV head (the r x head_dim basis is stored once, not once per segment); "segment"
         gives every segment its own basis.
     correction_dtype: storage dtype of the low-rank factors (of the keys; of the values too with
-        value_bits=0): "int8" (default: U in one byte per entry
-        with a per-component scale folded into a bf16 B; the rounding is about 1% of a correction, far
-        below the rank truncation error), "int8_basis" (B in int8 too, one fp32 scale per component
-        left: correction bytes 70.0 -> 58.7 MiB on the bench pipeline, but one fan-out turn of the fidelity
-        harness left the greedy path on a 0.11 top-2 gap), "bfloat16", "float16",
-        "float32", or "kv" (the KV cache's dtype). recompute_ratio=1.0 keeps the exact
-        deviation in the KV dtype whatever this says.
+        value_bits=0): "int8_basis" (default: U in one byte per entry with a per-component scale folded
+        into B, and B in int8 too with one fp32 scale per component), "int8" (B in bf16: the default
+        before u8_components; B's rounding in int8 adds 0.004% of the deviations' energy to the 3.1%
+        the rank-40 truncation loses, and halves the bases, 12.9 -> 6.9 MiB on the bench pipeline),
+        "bfloat16", "float16", "float32", or "kv" (the KV cache's dtype). recompute_ratio=1.0 keeps the
+        exact deviation in the KV dtype whatever this says.
+    u8_components: with int8 factors, how many of U's leading components keep 8-bit codes (default
+        28); the rest, which the SVD orders last and smallest, get 4-bit codes with their own scales,
+        two to a byte. None keeps every component at 8 bits. A 4-bit code rounds about 18x more
+        coarsely, but on the trailing components of a rank-40 SVD that loses far less than dropping
+        them would: on the bench pipeline's deviations (dev capture, README "Correction storage") 28 cuts
+        the corrections 57.8 -> 52.6 MiB for 3.1 -> 3.2% (keys) and 4.7 -> 4.9% (values) of their
+        energy lost, where rank 36 at 8 bits saves about as much and loses 4.1% and 6.3%.
     value_bits: 0 (default) factors the values like the keys (rank-``rank`` SVD in correction_dtype);
         4 or 8 keeps the values full rank instead: each recomputed row's value deviation is stored as
         it is, quantized per row to that many bits with one bf16 scale per row and KV head (no SVD, no
@@ -75,8 +81,9 @@ class EngineConfig:
         KL 0.00011 against the default's 0.0011, peak 132.5 MiB); it is not the default because, like
         exact storage, it loses the fidelity harness's debate near tie (agreement 0.896).
     small_rows: with int8 factors (the default), a side (keys or values) of a request's corrections
-        whose rank-``rank`` factors would take more bytes than its rows as 8-bit rows (one bf16 scale per
-        row, and per channel for keys, as ``key_bits=8``) keeps those rows instead: at rank 40 and head_dim
+        whose rank-``rank`` factors with an int8 U and a bf16 B would take more bytes than its rows as
+        8-bit rows (one bf16 scale per row, and per channel for keys, as ``key_bits=8``) keeps those rows
+        instead (the comparison is with those factors whatever correction_dtype and u8_components store): at rank 40 and head_dim
         64, a request that corrects fewer than about 190 rows, typically only its newest reply. On the
         bench pipeline's 14 such requests (dev capture) that is 20.1 -> 16.4 MiB, with 0.003% of the
         deviations' energy lost instead of 1.7% (keys) and 2.6% (values) by their SVD. False always factors.
@@ -121,10 +128,11 @@ class EngineConfig:
     prefetch_ratio: float = 0.9
     recompute_newest: bool = True
     basis: str = "request"
-    correction_dtype: str = "int8"
+    correction_dtype: str = "int8_basis"
     value_bits: int = 0
     key_bits: int = 0
     small_rows: bool = True
+    u8_components: int | None = 28
     correction_energy: float = 1.0
     # attention over corrected views: "auto" (Triton kernel on CUDA, else "gather"), "gather" (torch,
     # gathered keys + SDPA), "query" (torch view_attention), "triton" (the kernel; TRITON_INTERPRET on CPU)
@@ -150,6 +158,9 @@ class EngineConfig:
             raise ValueError(f"prefetch_ratio must be in [0, 1], got {self.prefetch_ratio}")
         if not 0.0 < self.correction_energy <= 1.0:
             raise ValueError(f"correction_energy must be in (0, 1], got {self.correction_energy}")
+        if self.u8_components is not None and (not isinstance(self.u8_components, int)
+                                               or isinstance(self.u8_components, bool) or self.u8_components < 0):
+            raise ValueError(f"u8_components must be None or an int >= 0, got {self.u8_components!r}")
         if not isinstance(self.small_rows, bool):
             raise ValueError(f"small_rows must be a bool, got {self.small_rows!r}")
         for name in ("value_bits", "key_bits"):

@@ -56,6 +56,7 @@ class Corrector:
         self.value_bits = 0            # EngineConfig.value_bits: value rows kept full rank, quantized per row
         self.key_bits = 0              # EngineConfig.key_bits: key rows so too, after per-channel scales
         self.small_rows = True         # EngineConfig.small_rows: 8-bit rows where factors would be larger
+        self.u8: int | None = None     # EngineConfig.u8_components: U's components kept at 8 bits
         self.newest_whole = True       # EngineConfig.recompute_newest
         self.keep_energy = 1.0         # EngineConfig.correction_energy
         self.rows_dropped = 0          # recomputed rows whose deviation was too faint to store
@@ -320,9 +321,9 @@ class Corrector:
         first = 0 if full else min(UNCORRECTED_LAYERS, m.args.num_layers - 1)
         if self.joint_basis and len(pending) > 1 and not full:
             states = compress_joint(dk, dv, rows_of, rank, dtype, self.int8_basis, vbits, kbits, first,
-                                    self.small_rows)
+                                    self.small_rows, self.u8)
         else:
-            states = [compress(k, v, r, rank, dtype, self.int8_basis, vbits, kbits, first, self.small_rows)
+            states = [compress(k, v, r, rank, dtype, self.int8_basis, vbits, kbits, first, self.small_rows, self.u8)
                       for k, v, r in zip(dk, dv, rows_of)]
         for p, state in zip(pending, states):
             self._store(req, p, state, sel[id(p)].numel())     # recomputed, whether stored or not

@@ -3,7 +3,10 @@
 For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per layer and KV head
 (likewise for V), with ``U`` [L, KVH, R, r] and ``B`` [L, KVH, r, D]. Each side (K, V) is
 - low rank: a rank-r truncated SVD, singular values folded into U; an int8 U's per-component scales
-  fold into B, and an int8 B (``int8_basis``) carries one fp32 scale per component (``sk``/``sv``); or
+  fold into B, and an int8 B (``int8_basis``) carries one fp32 scale per component (``sk``/``sv``).
+  With ``u8`` only U's leading ``u8`` components keep 8-bit codes: the trailing ones, which hold the
+  least of the deviation, are 4-bit codes packed two to a byte at the end of U (``tk``/``tv`` count
+  them); or
 - full rank (``compress(value_bits=...)`` for the values, ``key_bits=...`` for the keys, and with
   ``small_rows`` any int8 side whose factors would be larger, as 8-bit rows): U is the
   deviation rows themselves, quantized per row to 4 or 8 bits with one bf16 scale per row and head
@@ -21,7 +24,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from .quant_rows import channel_scale, dequantize_rows, normalized, quantize_rows, row_width
+from .quant_rows import (channel_scale, dequantize_rows, normalized, pack_nibbles, quantize_rows, row_width,
+                         unpack_nibbles)
 from .rope import rotate
 
 
@@ -36,6 +40,8 @@ class LowRankDelta:
     ``rk``/``rv`` [L, KVH, R, 1] are the per-row scales of a full-rank side's quantized rows (U int8,
     or uint8 with two 4-bit codes per byte); its B factor is None: the identity. ``ck``/``cv``
     [L, KVH, 1, D] are optional per-channel scales of such rows (shared by the states of a joint basis).
+    ``tk``/``tv`` count an int8 U's trailing components stored as 4-bit codes: U's last ``tk // 2``
+    columns hold them, two to a byte (so U [L, KVH, R, r - tk // 2]).
     Every tensor above holds layers [first_layer, first_layer + L); the layers before correct nothing
     and store nothing (layer 0's deviation is rounding: see ``Corrector``).
     """
@@ -53,6 +59,8 @@ class LowRankDelta:
     ck: torch.Tensor | None = None
     cv: torch.Tensor | None = None
     first_layer: int = 0
+    tk: int = 0
+    tv: int = 0
 
     def __post_init__(self) -> None:
         if self.first_layer < 0:
@@ -60,12 +68,14 @@ class LowRankDelta:
         layers, heads, nrows, _ = self.uk.shape
         if self.rows.shape != (nrows,) or self.uv.shape[:3] != (layers, heads, nrows):
             raise ValueError(f"rows {tuple(self.rows.shape)} do not match factors {tuple(self.uk.shape)}")
-        for u, b, r, c in ((self.uk, self.bk, self.rk, self.ck), (self.uv, self.bv, self.rv, self.cv)):
+        for u, b, r, c, t in ((self.uk, self.bk, self.rk, self.ck, self.tk), (self.uv, self.bv, self.rv, self.cv, self.tv)):
             if r is None and (u.dtype == torch.uint8 or b is None):
                 raise ValueError("a low-rank state needs B factors (only quantized rows with row scales have none)")
             if r is not None and (u.dtype not in (torch.int8, torch.uint8) or r.shape != (*u.shape[:3], 1)):
                 raise ValueError("quantized rows are int8 or uint8 (4-bit) with row scales [L, KVH, R, 1]")
-            rank = row_width(u) if r is not None else u.shape[3]
+            if t and (t < 0 or t % 2 or r is not None or u.dtype != torch.int8 or t // 2 > u.shape[3]):
+                raise ValueError(f"4-bit components come in pairs at the end of an int8 U factor, got {t}")
+            rank = row_width(u) if r is not None else u.shape[3] + t // 2
             if c is not None and (r is None or c.shape != (layers, heads, 1, rank)):
                 raise ValueError("channel scales [L, KVH, 1, D] belong to quantized rows only")
             if b is not None and b.shape[:3] != (layers, heads, rank):
@@ -115,10 +125,10 @@ class LowRankDelta:
 
     def key_coeffs(self) -> "Coeffs":
         """U_k as readers need it (dequantized when read)."""
-        return Coeffs(self.uk, self.rk, self.ck, self.first_layer)
+        return Coeffs(self.uk, self.rk, self.ck, self.first_layer, self.tk)
 
     def value_coeffs(self) -> "Coeffs":
-        return Coeffs(self.uv, self.rv, self.cv, self.first_layer)
+        return Coeffs(self.uv, self.rv, self.cv, self.first_layer, self.tv)
 
     def key_basis(self, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Basis":
         """B_k as readers need it; ``cos_sin`` rotates it by ``shift`` (``Realigner.key_basis`` passes it)."""
@@ -144,7 +154,7 @@ class LowRankDelta:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return LowRankDelta(*(move(t) for t in (self.rows, self.uk, self.bk, self.uv, self.bv, self.sk, self.sv)),
                             shift=self.shift, rk=move(self.rk), rv=move(self.rv), ck=move(self.ck), cv=move(self.cv),
-                            first_layer=self.first_layer)
+                            first_layer=self.first_layer, tk=self.tk, tv=self.tv)
 
 
 @lru_cache(maxsize=16)
@@ -168,17 +178,19 @@ def _layer_of(first: int, layer: int | slice, read: Callable[[int | slice], torc
 
 @dataclass(frozen=True)
 class Coeffs:
-    """A U factor [L, KVH, R, r] as read: plain, or quantized rows dequantized by their row ``scale``
-    (and, if given, their ``channel`` scales [L, KVH, 1, D]); layers before ``first`` read as zeros."""
+    """A U factor [L, KVH, R, r] as read: plain (its last ``tail`` components 4-bit codes packed in
+    its last ``tail // 2`` columns), or quantized rows dequantized by their row ``scale`` (and, if
+    given, their ``channel`` scales [L, KVH, 1, D]); layers before ``first`` read as zeros."""
 
     u: torch.Tensor
     scale: torch.Tensor | None = None
     channel: torch.Tensor | None = None
     first: int = 0
+    tail: int = 0
 
     @property
     def rank(self) -> int:
-        return row_width(self.u) if self.scale is not None else self.u.shape[-1]
+        return row_width(self.u) if self.scale is not None else self.u.shape[-1] + self.tail // 2
 
     @property
     def bits(self) -> int:
@@ -200,8 +212,8 @@ class Coeffs:
         if layer < first or any(u.first != first for u in us):
             return torch.cat([u.at(layer, dtype) for u in us], dim=1)
         i = layer - first
-        if all(u.scale is None for u in us):
-            return torch.cat([u.u[i] for u in us], dim=1).to(dtype)
+        if all(u.scale is None and u.tail == us[0].tail for u in us):
+            return _plain(torch.cat([u.u[i] for u in us], dim=1), us[0].tail, dtype)
         if all(u.scale is not None and u.u.dtype == us[0].u.dtype for u in us):
             # quantized rows (small corrections, or key_bits/value_bits): one dequantization, then
             # each state's channel scales over its own rows
@@ -220,9 +232,17 @@ class Coeffs:
 
     def _stored(self, layer: int | slice, dtype: torch.dtype) -> torch.Tensor:
         if self.scale is None:
-            return self.u[layer].to(dtype)
+            return _plain(self.u[layer], self.tail, dtype)
         rows = dequantize_rows(self.u[layer], self.scale[layer], dtype)
         return rows if self.channel is None else rows.mul_(self.channel[layer].to(dtype))
+
+
+def _plain(u: torch.Tensor, tail: int, dtype: torch.dtype) -> torch.Tensor:
+    """A plain U's codes [..., w] in ``dtype``, the ``tail`` 4-bit components in its last columns unpacked."""
+    if not tail:
+        return u.to(dtype)
+    w = u.shape[-1] - tail // 2
+    return torch.cat([u[..., :w].to(dtype), unpack_nibbles(u[..., w:].view(torch.uint8), dtype)], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -280,28 +300,46 @@ def _truncated(d: torch.Tensor, rank: int, dtype: torch.dtype) -> tuple[torch.Te
     return u.to(dtype), (u.transpose(-1, -2) @ x).to(dtype)
 
 
-def _int8(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as int8 with one symmetric scale per slice along ``dim`` (the max magnitude maps to 127)."""
-    scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-    return torch.round(x / scale).clamp_(-127, 127).to(torch.int8), scale
+def _int8(x: torch.Tensor, dim: int, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as int8 codes in [-top, top] with one symmetric scale per slice along ``dim`` (the max
+    magnitude maps to ``top``)."""
+    if not x.numel():
+        return x.to(torch.int8), x.new_ones(*(1 if d == dim % x.dim() else n for d, n in enumerate(x.shape)))
+    scale = x.abs().amax(dim=dim, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / top
+    return torch.round(x / scale).clamp_(-top, top).to(torch.int8), scale
 
 
-def _quantized(u: torch.Tensor, b: torch.Tensor,
-               int8_basis: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def u_tail(rank: int, u8: int | None) -> int:
+    """How many of ``rank`` components get 4-bit codes when ``u8`` keep 8 bits (an even count: they
+    pair up in bytes, so an odd remainder leaves one more component at 8 bits)."""
+    return 0 if u8 is None else max(0, rank - u8) // 2 * 2
+
+
+def _quantized(u: torch.Tensor, b: torch.Tensor, int8_basis: bool,
+               u8: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """U [..., R, r] in int8 with one scale per component, folded into B ((U_q s) B == U_q (s B)).
     B stays bf16 (no scale left), or with ``int8_basis`` is quantized too, leaving one fp32 scale
-    [..., r, 1] per component. Returns (U_q, B, B's scale or None)."""
-    u_q, su = _int8(u, dim=-2) if u.numel() else (u.to(torch.int8), u.new_ones(*u.shape[:-2], 1, u.shape[-1]))
+    [..., r, 1] per component. With ``u8``, components past the first ``u8`` get 4-bit codes (their
+    own scales, folded alike) packed two to a byte after the 8-bit ones: the SVD orders components by
+    size, so the trailing ones' coarser rounding is small against the leading ones'. Returns (U_q, B,
+    B's scale or None, number of 4-bit components)."""
+    tail = u_tail(u.shape[-1], u8)
+    head = u.shape[-1] - tail
+    u_q, su = _int8(u[..., :head], dim=-2)
+    if tail:
+        u_4, s4 = _int8(u[..., head:], dim=-2, top=7)
+        u_q, su = torch.cat([u_q, pack_nibbles(u_4).view(torch.int8)], -1), torch.cat([su, s4], -1)
     b = b * su.transpose(-1, -2)
     if not int8_basis:
-        return u_q, b.to(torch.bfloat16), None
-    b_q, sb = _int8(b, dim=-1) if b.numel() else (b.to(torch.int8), b.new_ones(*b.shape[:-1], 1))
-    return u_q, b_q, sb.float()
+        return u_q, b.to(torch.bfloat16), None, tail
+    b_q, sb = _int8(b, dim=-1)
+    return u_q, b_q, sb.float(), tail
 
 
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
              dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
-             key_bits: int = 0, first_layer: int = 0, small_rows: bool = False) -> LowRankDelta:
+             key_bits: int = 0, first_layer: int = 0, small_rows: bool = False,
+             u8: int | None = None) -> LowRankDelta:
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
     Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
@@ -312,8 +350,9 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     ``key_bits`` the key rows are kept so too, each channel divided first by its scale over the rows
     (``quant_rows.channel_scale``); no SVD runs for a side kept as rows. With ``small_rows`` and int8
     factors, a factored side whose factors would take more bytes than its rows as 8-bit rows keeps
-    those rows instead (``rows_are_smaller``). Layers before ``first_layer`` are dropped: the state
-    corrects nothing there.
+    those rows instead (``rows_are_smaller``). With int8 factors and ``u8``, U's components past the
+    first ``u8`` are stored as 4-bit codes (``_quantized``). Layers before ``first_layer`` are dropped:
+    the state corrects nothing there.
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")
@@ -328,50 +367,56 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     dtype = dtype or dk.dtype
     rows = rows.to(device=dk.device, dtype=torch.long)
     small = small_rows and dtype == torch.int8
-    if small and not key_bits and rows_are_smaller(dk.shape[2], dk.shape[3], rank, int8_basis, channels=True):
+    if small and not key_bits and rows_are_smaller(dk.shape[2], dk.shape[3], rank, channels=True):
         key_bits = SMALL_ROW_BITS
-    if small and not value_bits and rows_are_smaller(dv.shape[2], dv.shape[3], rank, int8_basis, channels=False):
+    if small and not value_bits and rows_are_smaller(dv.shape[2], dv.shape[3], rank, channels=False):
         value_bits = SMALL_ROW_BITS
-    uk, bk, sk, rk, ck = _side(dk[first_layer:], rank, dtype, int8_basis, key_bits, channels=True)
-    uv, bv, sv, rv, cv = _side(dv[first_layer:], rank, dtype, int8_basis, value_bits, channels=False)
-    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck, cv=cv, first_layer=first_layer)
+    uk, bk, sk, rk, ck, tk = _side(dk[first_layer:], rank, dtype, int8_basis, key_bits, u8, channels=True)
+    uv, bv, sv, rv, cv, tv = _side(dv[first_layer:], rank, dtype, int8_basis, value_bits, u8, channels=False)
+    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck, cv=cv, first_layer=first_layer,
+                        tk=tk, tv=tv)
 
 
 SMALL_ROW_BITS = 8
 
 
-def rows_are_smaller(rows: int, dim: int, rank: int, int8_basis: bool, channels: bool) -> bool:
+def rows_are_smaller(rows: int, dim: int, rank: int, channels: bool) -> bool:
     """Whether ``rows`` deviation rows of width ``dim`` take fewer bytes per layer and KV head as
-    8-bit rows (one bf16 scale per row, and per channel for keys) than as int8 rank-``rank`` factors
-    (int8 U, and B in bf16, or in int8 with one fp32 scale per component). At rank 40 and head_dim
-    64 that is below about 190 rows: a request that corrects only its newest reply. The rows are
-    then also near exact (about 0.003% of the deviation's energy lost, against 1-2% for its SVD)."""
+    8-bit rows (one bf16 scale per row, and per channel for keys) than as rank-``rank`` factors with
+    an int8 U and a bf16 B. At rank 40 and head_dim 64 that is below about 190 rows: a request that
+    corrects only its newest reply. The rows are then also near exact (about 0.003% of the
+    deviation's energy lost, against 1-2% for its SVD). The comparison stays with those factors when
+    they are stored smaller (an int8 B, a 4-bit tail of U): those would win from about 100 rows on,
+    saving 1.2 MiB on the bench pipeline for 0.5% more key and 0.7% more value error (dev capture,
+    README "Correction storage"), a poor trade against the tail's bytes."""
     r = min(rank, rows, dim)
-    factors = rows * r + (r * dim + 4 * r if int8_basis else 2 * r * dim)
-    return rows * (dim * SMALL_ROW_BITS // 8 + 2) + (2 * dim if channels else 0) < factors
+    return rows * (dim * SMALL_ROW_BITS // 8 + 2) + (2 * dim if channels else 0) < rows * r + 2 * r * dim
 
 
-def _side(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, bits: int, channels: bool) -> tuple:
-    """(U, B, B's scale, row scales, channel scales) of one side: quantized rows with ``bits`` (B the
-    identity; ``channels`` divides each channel by its scale first), else factored (no row scales)."""
+def _side(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, bits: int, u8: int | None,
+          channels: bool) -> tuple:
+    """(U, B, B's scale, row scales, channel scales, 4-bit components) of one side: quantized rows with
+    ``bits`` (B the identity; ``channels`` divides each channel by its scale first), else factored."""
     if not bits:
-        return (*_factored(d, rank, dtype, int8_basis), None, None)
+        u, b, sb, tail = _factored(d, rank, dtype, int8_basis, u8)
+        return u, b, sb, None, None, tail
     c = channel_scale(d) if channels else None
     u, r = quantize_rows(d if c is None else normalized(d, c), bits)
-    return u, None, None, r, c
+    return u, None, None, r, c, 0
 
 
-def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype,
-              int8_basis: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(U, B, B's scale or None) of one side, stored in ``dtype``."""
+def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool,
+              u8: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """(U, B, B's scale or None, 4-bit components) of one side, stored in ``dtype``."""
     if dtype == torch.int8:
-        return _quantized(*_truncated(d, rank, torch.float32), int8_basis)
-    return (*_truncated(d, rank, dtype), None)
+        return _quantized(*_truncated(d, rank, torch.float32), int8_basis, u8)
+    return (*_truncated(d, rank, dtype), None, 0)
 
 
 def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
                    dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
-                   key_bits: int = 0, first_layer: int = 0, small_rows: bool = False) -> list[LowRankDelta]:
+                   key_bits: int = 0, first_layer: int = 0, small_rows: bool = False,
+                   u8: int | None = None) -> list[LowRankDelta]:
     """Compress several segments' deviations (each [L, KVH, R_i, D]) against one shared basis.
 
     The segments an agent corrects in one request deviate for the same reason (its own prefix), so
@@ -383,7 +428,7 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
         raise ValueError("compress_joint needs one dk, dv and rows per segment")
     dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
     joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype, int8_basis,
-                     value_bits, key_bits, first_layer, small_rows)   # split below
+                     value_bits, key_bits, first_layer, small_rows, u8)   # split below
     out, offset = [], 0
     for r in rows:
         n = r.numel()
@@ -458,10 +503,13 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
         for d, idx in zip(deltas, where):
             dk.index_add_(2, idx, d.key_coeffs().at() @ d.key_basis().at())
             dv.index_add_(2, idx, d.value_coeffs().at() @ d.value_basis().at())
-        factored = first.uv if first.rk is not None else first.uk          # a side's U that is not rows
-        return compress(dk, dv, rows, rank, dtype=factored.dtype,
-                        int8_basis=first.sk is not None, value_bits=first.value_coeffs().bits,
-                        key_bits=first.key_coeffs().bits, first_layer=min(d.first_layer for d in deltas))
+        # a side's U that is not rows, and its 8-bit components when it has a 4-bit tail
+        factored = first.value_coeffs() if first.rk is not None else first.key_coeffs()
+        u8 = factored.rank - factored.tail if factored.tail else None
+        return compress(dk, dv, rows, rank, dtype=factored.u.dtype,
+                        int8_basis=first.sk is not None or first.sv is not None,
+                        value_bits=first.value_coeffs().bits, key_bits=first.key_coeffs().bits,
+                        first_layer=min(d.first_layer for d in deltas), u8=u8)
 
     def scatter_u(us: list[torch.Tensor]) -> torch.Tensor:
         # Each delta's U gets its own rank columns; rows it does not correct stay zero.

@@ -27,20 +27,28 @@ def quantize_rows(d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     q = torch.round(x / safe).clamp_(-top, top)
     if bits == 8:
         return q.to(torch.int8), scale
-    if d.shape[-1] % 2:
-        raise ValueError(f"4-bit rows need an even width, got {d.shape[-1]}")
-    u = (q + 8).to(torch.uint8)
-    half = d.shape[-1] // 2
-    return u[..., :half] | (u[..., half:] << 4), scale
+    return pack_nibbles(q), scale
 
 
 def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The rows back in ``dtype`` [..., R, D] from ``quantize_rows``'s codes and scale."""
-    if codes.dtype == torch.uint8:
-        codes = torch.cat([codes & 15, codes >> 4], dim=-1).to(dtype).sub_(8)
-    else:
-        codes = codes.to(dtype)
+    codes = unpack_nibbles(codes, dtype) if codes.dtype == torch.uint8 else codes.to(dtype)
     return codes.mul_(scale.to(dtype))
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Integer-valued codes in [-7, 7], [..., W] with W even -> uint8 [..., W/2]: column j in the low
+    nibble and column W/2 + j in the high one, each offset by 8 so that it is unsigned."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"4-bit codes need an even width, got {q.shape[-1]}")
+    u = (q + 8).to(torch.uint8)
+    half = q.shape[-1] // 2
+    return u[..., :half] | (u[..., half:] << 4)
+
+
+def unpack_nibbles(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``pack_nibbles`` undone: uint8 [..., W/2] -> codes [..., W] in ``dtype``."""
+    return torch.cat([codes & 15, codes >> 4], dim=-1).to(dtype).sub_(8)
 
 
 def channel_scale(d: torch.Tensor) -> torch.Tensor:

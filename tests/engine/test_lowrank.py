@@ -340,12 +340,15 @@ def test_joint_states_drop_the_first_layer_together():
 def test_rows_are_smaller_counts_the_bytes_of_both_storages():
     """At the engine's shape (rank 40, head_dim 64): 8-bit key rows (66 bytes a row and 128 of channel
     scales) beat int8 U plus bf16 B (40 bytes a row and 5,120) below 192 rows; value rows, without
-    channel scales, below 197; against an int8 B (2,560 bytes and 160 of scales), below 100."""
-    assert rows_are_smaller(191, 64, 40, False, channels=True) and not rows_are_smaller(192, 64, 40, False, True)
-    assert rows_are_smaller(196, 64, 40, False, channels=False) and not rows_are_smaller(197, 64, 40, False, False)
-    assert rows_are_smaller(99, 64, 40, True, True) and not rows_are_smaller(100, 64, 40, True, True)
-    assert rows_are_smaller(10, 64, 40, False, True)          # r = min(rank, rows) = 10 still loses
-    assert not rows_are_smaller(5000, 64, 64, False, True)     # full rank: int8 U beats rows with scales
+    channel scales, below 197. The rule compares with those factors however they are stored."""
+    assert rows_are_smaller(191, 64, 40, channels=True) and not rows_are_smaller(192, 64, 40, channels=True)
+    assert rows_are_smaller(196, 64, 40, channels=False) and not rows_are_smaller(197, 64, 40, channels=False)
+    assert rows_are_smaller(10, 64, 40, channels=True)          # r = min(rank, rows) = 10 still loses
+    assert not rows_are_smaller(5000, 64, 64, channels=True)     # full rank: int8 U beats rows with scales
+    dk, dv = _devs(150, seed=4)
+    for dtype_kw in ({}, {"int8_basis": True, "u8": 4}):         # cheaper factors do not move the choice
+        state = compress(dk, dv, torch.arange(150), 40, torch.int8, small_rows=True, **dtype_kw)
+        assert state.bk is None and state.bv is None
 
 
 def test_small_rows_keep_the_rows_of_a_side_whose_factors_would_be_larger():
@@ -377,3 +380,45 @@ def test_small_rows_keep_the_rows_of_a_side_whose_factors_would_be_larger():
     parts = compress_joint([a[0], b[0]], [a[1], b[1]], [rows, rows + 1], 8, torch.int8, small_rows=True)
     assert parts[0].bk is parts[1].bk is not None
     assert compress_joint([a[0]], [a[1]], [rows], 8, torch.int8, small_rows=True)[0].bk is None
+
+
+def _rel_err(state: LowRankDelta, dk: torch.Tensor, dv: torch.Tensor) -> float:
+    k, v = _dense_all(state)
+    return (((k - dk).pow(2).sum() + (v - dv).pow(2).sum()) / (dk.pow(2).sum() + dv.pow(2).sum())).item()
+
+
+def test_u8_components_store_the_trailing_components_as_4_bit_codes():
+    """u8: U's first u8 components keep int8 codes, the rest are 4-bit codes (-7..7, each component
+    with its own scale folded into B) packed two to a byte after them. At the same U bytes that
+    loses less than dropping components: rank 8 with 4 of them at 4 bits (6 bytes a row) against
+    rank 6 at 8 bits."""
+    g = torch.Generator().manual_seed(11)
+    # a decaying spectrum, as deviations have: component i scaled by 0.8^i
+    basis = torch.linalg.qr(torch.randn(L, KVH, D, D, generator=g))[0]
+    coef = torch.randn(L, KVH, 64, D, generator=g) * 0.8 ** torch.arange(D)
+    dk, dv = coef @ basis.transpose(-1, -2), (coef @ basis.transpose(-1, -2)).flip(-1)
+    rows = torch.arange(64) * 2
+    full = compress(dk, dv, rows, 8, torch.int8)
+    tailed = compress(dk, dv, rows, 8, torch.int8, u8=4)
+    assert (full.tk, tailed.tk, tailed.tv) == (0, 4, 4)
+    assert tailed.uk.shape == (L, KVH, 64, 6) and tailed.key_coeffs().rank == tailed.rank == 8
+    assert tailed.nbytes == full.nbytes - 2 * L * KVH * 64 * 2
+    codes = tailed.key_coeffs().at()[..., 4:]
+    assert codes.abs().max() == 7 and torch.equal(codes, codes.round())
+    assert codes.abs().amax(dim=-2).min() == 7                 # every 4-bit component uses its range
+    assert torch.equal(tailed.uk[..., :4], full.uk[..., :4])   # the 8-bit components are untouched
+    assert _rel_err(full, dk, dv) < _rel_err(tailed, dk, dv) < _rel_err(compress(dk, dv, rows, 6, torch.int8), dk, dv)
+    # An odd remainder leaves one more component at 8 bits; u8 >= rank stores no 4-bit codes at all.
+    odd = compress(dk, dv, rows, 7, torch.int8, u8=4)
+    assert odd.tk == 2 and odd.uk.shape[-1] == 6 and odd.rank == 7
+    assert torch.equal(compress(dk, dv, rows, 8, torch.int8, u8=8).uk, full.uk)
+    assert compress(dk, dv, rows, 8, torch.float32, u8=4).tk == 0       # only int8 U has codes
+    # With int8 B, in a joint basis, moved, and recompressed: the tail stays what it is.
+    parts = compress_joint([dk[:, :, :30], dk[:, :, 30:]], [dv[:, :, :30], dv[:, :, 30:]],
+                           [rows[:30], rows[30:]], 8, torch.int8, int8_basis=True, u8=4)
+    assert all(p.tk == 4 and p.bk is parts[0].bk and p.bk.dtype == torch.int8 for p in parts)
+    joined = type(parts[0].key_coeffs()).joined([p.key_coeffs() for p in parts], 1)
+    torch.testing.assert_close(joined, torch.cat([p.key_coeffs().at(1) for p in parts], dim=1), rtol=0, atol=0)
+    assert parts[0].to("cpu").tk == 4 and compose([tailed], rank=8).tk == 4
+    with pytest.raises(ValueError, match="pairs"):
+        LowRankDelta(tailed.rows, tailed.uk, tailed.bk, tailed.uv, tailed.bv, tk=3, tv=4)
