@@ -20,10 +20,13 @@ class Method:
     value_bits: int | None = None
     key_bits: int | None = None
     small_rows: bool | None = None
+    correction_dtype: str | None = None
+    u8_components: int | None = None
 
     def _knobs(self) -> dict:
         return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio",
-                                              "value_bits", "key_bits", "small_rows") if getattr(self, k) is not None}
+                                              "value_bits", "key_bits", "small_rows", "correction_dtype",
+                                              "u8_components") if getattr(self, k) is not None}
 
     def config(self, model: str | None, device: str, **extra) -> EngineConfig:
         return EngineConfig(model=model, device=device, reuse=self.reuse, **self._knobs(), **extra)
@@ -32,7 +35,7 @@ class Method:
     def label(self) -> str:
         short = {"recompute_ratio": "r", "rank": "k", "reference": "ref", "prefetch": "prefetch",
                  "prefetch_ratio": "pr", "value_bits": "vbits", "key_bits": "kbits",
-                 "small_rows": "rows"}
+                 "small_rows": "rows", "correction_dtype": "dtype", "u8_components": "u8"}
         knobs = self._knobs()
         if not knobs:
             return self.name
@@ -54,6 +57,8 @@ METHODS: dict[str, Method] = {
     "kvcmas-k8v4": Method("kvcmas-k8v4", "kvcmas", value_bits=4, key_bits=8),
     # ours with keys and values as 4-bit rows (EngineConfig.key_bits, value_bits): no SVD at all
     "kvcmas-kv4": Method("kvcmas-kv4", "kvcmas", value_bits=4, key_bits=4),
+    # ours with B in int8 and U's last 12 of 40 components as 4-bit codes (EngineConfig.u8_components)
+    "kvcmas-lean": Method("kvcmas-lean", "kvcmas", correction_dtype="int8_basis", u8_components=28),
 }
 DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
 

@@ -5,7 +5,7 @@ import argparse
 import asyncio
 
 from ..engine import ReuseOptions
-from ..engine.config import REFERENCES, REUSE_MODES
+from ..engine.config import CORRECTION_DTYPES, REFERENCES, REUSE_MODES
 from .harness import SweepGrid, run_fidelity
 from .report import history_table, summary_table, sweep_table, write_report
 from .scenarios import DEFAULT_SCENARIOS, SCENARIOS, get_scenario
@@ -35,6 +35,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.key_bits: 0 factors the keys (default), 4/8 keeps them as quantized rows")
     parser.add_argument("--no-small-rows", action="store_true",
                         help="EngineConfig.small_rows=False: factor small corrections too (the storage before it)")
+    parser.add_argument("--correction-dtype", choices=CORRECTION_DTYPES, default=None,
+                        help="EngineConfig.correction_dtype of the factors (engine default)")
+    parser.add_argument("--u8-components", type=_u8, default=None,
+                        help="EngineConfig.u8_components: U's components kept at 8 bits, or 'all' (engine default)")
     parser.add_argument("--prefetch-ratio", type=float, default=None,
                         help="EngineConfig.prefetch_ratio of ahead-of-time corrections (engine default)")
     parser.add_argument("--sweep-scenario", default=None, help="scenario of the sweep (default: the first)")
@@ -47,6 +51,18 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/results/fidelity", help="output folder")
     parser.add_argument("--model", default=None, help="local checkpoint dir or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, cuda, cuda:N")
+
+
+def _u8(text: str) -> int | str:
+    return text if text == "all" else int(text)
+
+
+def storage_of(args: argparse.Namespace) -> dict:
+    """The storage knobs given on the command line, as EngineConfig fields."""
+    out = {} if args.correction_dtype is None else {"correction_dtype": args.correction_dtype}
+    if args.u8_components is not None:
+        out["u8_components"] = None if args.u8_components == "all" else args.u8_components
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         reply_tokens=args.reply_tokens or preset["reply_tokens"], eval_tokens=args.eval_tokens or preset["eval_tokens"],
         sweep=sweep, model=args.model, device=args.device, full_decode=args.decode == "full",
         value_bits=args.value_bits, key_bits=args.key_bits, small_rows=not args.no_small_rows,
-        prefetch_ratio=args.prefetch_ratio))
+        prefetch_ratio=args.prefetch_ratio, storage=storage_of(args)))
     result["config"]["quick"] = args.quick
     paths = write_report(result, args.out)
     print(summary_table(result), "", history_table(result), sep="\n")

@@ -71,7 +71,7 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
                        sweep: SweepGrid | None = None, sanity_eval_tokens: int = 8, model: str | None = None,
                        device: str = "cpu", log: Log = _stderr, full_decode: bool = True,
                        value_bits: int = 0, key_bits: int = 0, prefetch_ratio: float | None = None,
-                       small_rows: bool = True) -> dict[str, Any]:
+                       small_rows: bool = True, storage: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure each reuse mode against the exact run of the same prompts; return a JSON-able dict.
 
     Per scenario: an exact ``reuse="none"`` pass with greedy replies of ``reply_tokens``; then, per mode,
@@ -80,9 +80,10 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
     replayed turn decodes its whole exact reply, as an agent does. ``sweep`` replays one of the
     scenarios over a recompute_ratio x rank grid of kvcmas settings. ``value_bits``, ``key_bits``,
     ``small_rows`` and ``prefetch_ratio`` (None: the default) are the engines' EngineConfig fields of
-    those names.
+    those names; ``storage`` sets more of them (say ``correction_dtype``, ``u8_components``).
     """
-    engine_knobs: dict[str, Any] = {"value_bits": value_bits, "key_bits": key_bits, "small_rows": small_rows}
+    engine_knobs: dict[str, Any] = {"value_bits": value_bits, "key_bits": key_bits, "small_rows": small_rows,
+                                    **(storage or {})}
     if prefetch_ratio is not None:
         engine_knobs["prefetch_ratio"] = prefetch_ratio
     # Scoring runs on this thread; one-threaded, it starts no second OpenMP team beside the engine's.

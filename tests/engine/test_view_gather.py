@@ -98,14 +98,17 @@ def _three_segments(seed: int, head_dim: int, kv_heads: int, layers: int):
     return k_cache, v_cache, Realigner(inv.float()), rows, dks
 
 
-@pytest.mark.parametrize("tq", [1, 12])
-def test_joint_states_without_layer_zero(tq):
+@pytest.mark.parametrize("tq, u8", [(1, None), (12, None), (1, 4), (12, 4)])
+def test_joint_states_without_layer_zero(tq, u8):
     """States of one joint basis (one group, their int8 U joined before one cast) that leave out layer 0:
-    both gather paths match view_attention in every layer, and layer 0 reads the home keys as they are."""
+    both gather paths match view_attention in every layer, and layer 0 reads the home keys as they are.
+    With u8, U's last components are 4-bit codes and B is int8 (the engine's default storage)."""
     head_dim, kv_heads, group, layers = 64, 3, 3, 3
     k_cache, v_cache, realigner, rows, dks = _three_segments(2, head_dim, kv_heads, layers)
-    states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, torch.int8, first_layer=1)
+    states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, torch.int8, first_layer=1,
+                            int8_basis=u8 is not None, u8=u8)
     assert len({id(s.bk) for s in states}) == 1 and all(s.first_layer == 1 for s in states)
+    assert all(s.tk == s.tv == (4 if u8 else 0) for s in states)
     pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
     for i, state in enumerate(states):
         pieces.append(SegmentPiece(torch.arange(100 + 20 * i, 120 + 20 * i), torch.arange(8 + 20 * i, 28 + 20 * i),

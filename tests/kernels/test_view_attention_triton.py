@@ -23,7 +23,7 @@ ATOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 
 
 def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, lengths=(6, 37, 23), factors=None,
-              int8_basis=False, value_bits=0, key_bits=0, small_rows=False):
+              int8_basis=False, value_bits=0, key_bits=0, small_rows=False, u8=None):
     """Own prefix + two reused segments (deltas 13 and -4) + own tail whose last tq tokens query."""
     g = torch.Generator().manual_seed(seed)
     slots_total = 400
@@ -41,7 +41,7 @@ def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, len
         dk = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
         dv = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
         return compress(dk, dv, rows, rank, dtype=factors or dtype, int8_basis=int8_basis, value_bits=value_bits,
-                        key_bits=key_bits, small_rows=small_rows)
+                        key_bits=key_bits, small_rows=small_rows, u8=u8)
 
     pieces = [OwnPiece(slots[0], pos[0])]
     for i, delta in enumerate((13, -4)):
@@ -102,14 +102,15 @@ def test_split_kv_decode_matches_oracle():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("int8_basis", [False, True])
-def test_int8_factors_match_oracle(dtype, int8_basis):
-    """int8 correction storage: U in int8 with a bf16 B (the default), or B in int8 too (with per-component
-    scales); the chain's first state owes a pending shift, as a predecessor's state moved here does."""
+@pytest.mark.parametrize("int8_basis, u8", [(False, None), (True, None), (True, 4)])
+def test_int8_factors_match_oracle(dtype, int8_basis, u8):
+    """int8 correction storage: U in int8 with a bf16 B, or B in int8 too (with per-component scales),
+    and with u8 U's last components as 4-bit codes (the default); the chain's first state owes a
+    pending shift, as a predecessor's state moved here does."""
     q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=11,
-                                                        factors=torch.int8, int8_basis=int8_basis)
+                                                        factors=torch.int8, int8_basis=int8_basis, u8=u8)
     seg = pieces[1]
-    assert seg.deltas[0].uk.dtype == torch.int8
+    assert seg.deltas[0].uk.dtype == torch.int8 and seg.deltas[0].tk == (8 if u8 else 0)
     assert seg.deltas[0].bk.dtype == (torch.int8 if int8_basis else torch.bfloat16)
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
                              [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
