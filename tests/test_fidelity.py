@@ -92,6 +92,20 @@ def test_cli_command_registered():
     assert "fidelity" in COMMANDS
 
 
+def test_storage_options_become_engine_config_fields():
+    import argparse
+
+    from kvcmas_agents.fidelity.cli import add_args, storage_of
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert storage_of(parser.parse_args([])) == {}
+    assert storage_of(parser.parse_args(["--correction-dtype", "int8_basis", "--u8-components", "28"])) == {
+        "correction_dtype": "int8_basis", "u8_components": 28}
+    assert storage_of(parser.parse_args(["--u8-components", "all"])) == {"u8_components": None}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--u8-components", "many"])
+
+
 # --- a tiny run on the real model ----------------------------------------------------------------
 async def test_tiny_end_to_end_run(tmp_path):
     mini = replace(CSV, name="mini", groups=CSV.groups[:2], handoffs=CSV.handoffs[:2], edges=CSV.edges[:1])
@@ -100,7 +114,8 @@ async def test_tiny_end_to_end_run(tmp_path):
     result = await run_fidelity([mini], modes=("prefix", "naive", "kvcmas"), reply_tokens=16, eval_tokens=8,
                                 knobs=ReuseOptions(recompute_ratio=0.3, rank=16),
                                 sweep=SweepGrid("mini", ratios=(0.3, 1.0), ranks=(16,), eval_tokens=4),
-                                device="cpu", log=lambda msg: None, prefetch_ratio=0.8)
+                                device="cpu", log=lambda msg: None, prefetch_ratio=0.8,
+                                storage={"correction_dtype": "int8_basis", "u8_components": 8})
     # Engines got the caller's thread count, and the caller's own count is back after the run.
     assert result["config"]["torch_threads"] == threads == torch.get_num_threads()
     assert result["config"]["device_used"] == "cpu" and result["config"]["dtype"] == "float32"
@@ -118,6 +133,8 @@ async def test_tiny_end_to_end_run(tmp_path):
         for key in ("first_token_kl", "tf_kl_mean", "agreement", "matched", "reused_frac", "recomputed_frac"):
             assert key in m["turns"][1]
     assert entry["modes"]["kvcmas"]["stats"]["prefetch_ratio"] == 0.8
+    assert data["config"]["u8_components"] == entry["modes"]["kvcmas"]["stats"]["u8_components"] == 8
+    assert entry["modes"]["kvcmas"]["stats"]["correction_dtype"] == "int8_basis"
     prefix = entry["modes"]["prefix"]["summary"]
     assert prefix["first_token_kl_max"] < 1e-6 and prefix["tf_kl_max"] < 1e-6 and prefix["agreement_min"] == 1.0
     coder = entry["modes"]["kvcmas"]["turns"][1]

@@ -249,7 +249,8 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
 async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine):
     """Factors keep U in int8 (B in bf16, carrying U's scales) for keys and values; value_bits=4
     keeps the values as 4-bit rows instead (one bf16 scale per row, no B_v), key_bits=4 the keys too
-    (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too. The default (small_rows) keeps
+    (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too, and u8_components=28 with it
+    stores U's last 12 components as 4-bit codes (bench method kvcmas-lean). The default (small_rows) keeps
     this small correction's rows in 8 bits, in fewer bytes than its factors. Each stays far closer to
     exact than the same reuse uncorrected."""
     history = await conversation(engine, turns=2)
@@ -258,10 +259,14 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     factors = {"small_rows": False}
     kinds = {"default": factors, "value_rows": {"value_bits": 4, **factors},
              "key_rows": {"key_bits": 4, "value_bits": 4}, "int8_basis": {"correction_dtype": "int8_basis", **factors},
+             "lean": {"correction_dtype": "int8_basis", "u8_components": 28, **factors},
              "bfloat16": {"correction_dtype": "bfloat16"}, "float32": {"correction_dtype": "float32"},
              "small_rows": {}}
     assert (EngineConfig().correction_dtype, EngineConfig().value_bits, EngineConfig().key_bits,
-            EngineConfig().small_rows) == ("int8", 0, 0, True)
+            EngineConfig().small_rows, EngineConfig().u8_components) == ("int8", 0, 0, True, None)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="u8_components"):
+            EngineConfig(u8_components=bad)
     for kind, knobs in kinds.items():
         eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, **knobs))
         try:
@@ -283,7 +288,9 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     assert dtypes["default"] == ({torch.int8}, {torch.bfloat16}, {torch.int8}, {torch.bfloat16})
     assert dtypes["value_rows"] == ({torch.int8}, {torch.bfloat16}, {torch.uint8}, {None})
     assert dtypes["key_rows"] == ({torch.uint8}, {None}, {torch.uint8}, {None})
-    assert dtypes["int8_basis"] == ({torch.int8}, {torch.int8}, {torch.int8}, {torch.int8})
+    assert dtypes["int8_basis"] == dtypes["lean"] == ({torch.int8}, {torch.int8}, {torch.int8}, {torch.int8})
+    assert all(s.tk == s.tv == 0 for s in states["int8_basis"])
+    assert all(s.rank == 40 and s.tk == s.tv == 12 and s.uk.shape[-1] == 34 for s in states["lean"])
     assert dtypes["bfloat16"][0] == {torch.bfloat16} and dtypes["float32"][0] == {torch.float32}
     assert dtypes["small_rows"] == ({torch.int8}, {None}, {torch.int8}, {None})
     assert all(s.rk is not None and s.ck is not None and s.rv is not None for s in states["small_rows"])
@@ -296,6 +303,7 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     total = {d: unique_nbytes(states[d]) for d in states}
     assert total["key_rows"] < 0.85 * total["value_rows"] < 0.85 ** 2 * total["default"]
     assert total["small_rows"] < total["default"]
+    assert total["lean"] < total["int8_basis"] < total["default"]
     exact = await engine.generate(prompt("coder", history), agent="c-exact", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="none"))
     off = {k: kl(exact.logits[0], o.logits[0]) for k, o in outs.items()}
