@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.lowrank import (LowRankDelta, apply_to, captured_energy, compose, compress, compress_joint,
-                                          rows_are_smaller, strongest_rows, unique_nbytes)
+from kvcmas_agents.engine.lowrank import (Coeffs, LowRankDelta, apply_to, captured_energy, compose, compress,
+                                          compress_joint, rows_are_smaller, strongest_rows, unique_nbytes)
 
 L, KVH, D = 3, 2, 16
 
@@ -346,8 +346,8 @@ def test_rows_are_smaller_counts_the_bytes_of_both_storages():
     assert rows_are_smaller(10, 64, 40, channels=True)          # r = min(rank, rows) = 10 still loses
     assert not rows_are_smaller(5000, 64, 64, channels=True)     # full rank: int8 U beats rows with scales
     dk, dv = _devs(150, seed=4)
-    for dtype_kw in ({}, {"int8_basis": True, "u8": 4}):         # cheaper factors do not move the choice
-        state = compress(dk, dv, torch.arange(150), 40, torch.int8, small_rows=True, **dtype_kw)
+    for storage in ({}, {"int8_basis": True, "u8": 4}):          # cheaper factors do not move the choice
+        state = compress(dk, dv, torch.arange(150), 40, torch.int8, small_rows=True, **storage)
         assert state.bk is None and state.bv is None
 
 
@@ -417,7 +417,7 @@ def test_u8_components_store_the_trailing_components_as_4_bit_codes():
     parts = compress_joint([dk[:, :, :30], dk[:, :, 30:]], [dv[:, :, :30], dv[:, :, 30:]],
                            [rows[:30], rows[30:]], 8, torch.int8, int8_basis=True, u8=4)
     assert all(p.tk == 4 and p.bk is parts[0].bk and p.bk.dtype == torch.int8 for p in parts)
-    joined = type(parts[0].key_coeffs()).joined([p.key_coeffs() for p in parts], 1)
+    joined = Coeffs.joined([p.key_coeffs() for p in parts], 1)
     torch.testing.assert_close(joined, torch.cat([p.key_coeffs().at(1) for p in parts], dim=1), rtol=0, atol=0)
     assert parts[0].to("cpu").tk == 4 and compose([tailed], rank=8).tk == 4
     with pytest.raises(ValueError, match="pairs"):
