@@ -68,7 +68,8 @@ class Corrector:
         segs = [s for s in req.prompt.segments if s.kind != "suffix" and s.length > 0]
         pieces: list[ReusePiece] = []
         own_prefix_end = 0
-        for start, end, home, frame in (part for seg in segs for part in self._parts(ids, seg.start, seg.end)):
+        parts = (part for seg in segs for part in self._parts(ids, seg.start, seg.end, req.arrival))
+        for start, end, home, frame in parts:
             tokens = tuple(ids[start:end])
             ctx = context_key(agent, ids, start)
             if home is None:
@@ -102,14 +103,18 @@ class Corrector:
         req.cached_tokens = sum(p.end - p.start for p in pieces if p.exact)
         req.reused_tokens = sum(p.end - p.start for p in pieces if p.home is not None and not p.exact)
 
-    def _parts(self, ids: list[int], start: int, end: int) -> list[tuple[int, int, object, bool]]:
+    def _parts(self, ids: list[int], start: int, end: int, arrival: float) -> list[tuple[int, int, object, bool]]:
         """A message segment as (start, end, home, frame) parts: the whole segment's home view; else a
-        decoded reply found inside it, between header and trailer (frame) parts; else new text."""
+        decoded reply found inside it, between header and trailer (frame) parts; else new text.
+
+        Only home views registered before the request arrived count, so what a request reuses does not
+        depend on when the worker admits it: concurrent siblings (a fan-out) each compute the new text
+        they share, as when admitted in one step, instead of reusing whichever one ran first."""
         tokens = tuple(ids[start:end])
-        home = self.segments.lookup(tokens)
+        home = self.segments.lookup(tokens, arrival)
         if home is not None:
             return [(start, end, home, False)]
-        found = self.segments.find_decoded(tokens)
+        found = self.segments.find_decoded(tokens, arrival)
         # Only a reply decoded (almost) whole: a partial one would leave most of the message as new
         # text that every later agent computes again under its partly corrected view.
         if found is None or len(tokens) - len(found[1].key) > MAX_FRAME:
@@ -118,7 +123,7 @@ class Corrector:
         a, b = start + offset, start + offset + len(home.key)
         # The header and trailer around the reply reuse the home of the same frame tokens (registered by
         # the first request that computed them), so no agent recomputes every message's frame each turn.
-        return [(s, e, home, False) if s == a else (s, e, self.segments.lookup(tuple(ids[s:e])), True)
+        return [(s, e, home, False) if s == a else (s, e, self.segments.lookup(tuple(ids[s:e]), arrival), True)
                 for s, e in ((start, a), (a, b), (b, end)) if e > s]
 
     def register_decoded(self, req: Request) -> None:

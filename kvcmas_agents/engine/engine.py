@@ -187,6 +187,42 @@ class Engine:
         with self._stats_lock:
             return [b for a, b in self.edges if a == agent and b != agent]
 
+    def declare_agent(self, agent: str, system: str | list[dict], tools: list[dict] | None = None,
+                      wait: bool = True) -> int:
+        """Declare an agent's system message(s) before its first request; returns the prefix's tokens.
+
+        The engine prefills them now (a one-token side request, counted in ``stats()["declared"]``,
+        not in ``requests``), so the agent's first request finds its own prefix computed. With
+        ``reuse="kvcmas"`` and registered edges, its graph predecessors then correct the shared
+        history for it ahead of time even before it first speaks, as they do for later turns
+        (engine/prefetch.py). Give exactly the system message(s) and tools its requests carry: a
+        declaration that does not match them is never used. ``wait`` blocks until the prefill is done
+        (and raises its error); else it runs in the background. Returns 0, declaring nothing, when the
+        engine's reuse mode is "none" or the chat template is not prefix-stable.
+        """
+        if not isinstance(agent, str) or not agent:
+            raise InvalidRequestError("agent must be a non-empty string")
+        messages = [{"role": "system", "content": system}] if isinstance(system, str) else system
+        if not isinstance(messages, (list, tuple)) or not messages or any(
+                not isinstance(m, dict) or m.get("role") not in ("system", "developer") for m in messages):
+            raise InvalidRequestError("system must be a string or a non-empty list of system messages")
+        if self.config.reuse == "none":
+            return 0
+        sink = ThreadSink() if wait else (lambda event: None)
+        req = self._make_request(messages, agent, SamplingParams(max_tokens=1), tools, None,
+                                 f"declare-{agent}-{next(self._ids)}", sink)
+        segments = req.prompt.segments
+        if not req.prompt.prefix_stable or segments[0].kind != "prefix" or segments[-1].kind != "suffix":
+            return 0
+        req.declare = True
+        self._submit(req)
+        while wait:
+            event = sink.get()
+            if isinstance(event, BaseException):
+                raise event
+            wait = event.finish_reason is None
+        return segments[-1].start
+
     def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
         """Prompt tokens these messages render to (with the generation prompt)."""
         with self._tok_lock:
@@ -215,7 +251,7 @@ class Engine:
             "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
             "prefix_hit_tokens": counters.get("cached_tokens", 0),
             "template_fallbacks": counters.get("template_fallbacks", 0),
-            **{k: counters.get(k, 0) for k in ("requests", "completed", "failed", "aborted",
+            **{k: counters.get(k, 0) for k in ("requests", "declared", "declare_failed", "completed", "failed", "aborted",
                                                 "prompt_tokens", "completion_tokens", "steps", "max_batch_seqs")},
             "agents": agents,
             "edges": list(self.edges),
@@ -303,7 +339,7 @@ class Engine:
         if self._closed:
             raise EngineClosedError("engine is closed")
         with self._stats_lock:
-            self._counters["requests"] += 1
+            self._counters["requests"] += not req.declare
             if not req.prompt.prefix_stable:
                 self._counters["template_fallbacks"] += 1
         self._inbox.put(("add", req))
@@ -367,15 +403,21 @@ class Engine:
     def _correct_one(self) -> None:
         """Run the KVCMAS correction of the oldest request whose own prefix is computed. One per engine
         step, before it is planned: the corrected request's tail joins that step, and concurrent
-        requests keep prefilling and decoding between corrections instead of waiting for all of them."""
+        requests keep prefilling and decoding between corrections instead of waiting for all of them.
+        Requests with nothing to compute there (every reused piece exact or already corrected) pass
+        at once, so concurrent ones still prefill their tails in one step."""
+        busy = False
         for req in list(self.scheduler.running):
             if req.finish_reason is None and req.needs_correction:
+                work = any(p.pending for p in req.pieces)
+                if work and busy:
+                    continue
+                busy = busy or work
                 try:
                     self.scheduler.ensure_blocks(req, len(req.prompt_ids))
                     self.corrector.correct(req)
                 except Exception as exc:
                     self._fail(req, EngineError(f"correction failed for {req.request_id}: {exc!r}"))
-                return
 
     def _prefetch_when_quiet(self) -> None:
         """Ahead-of-time corrections run only while nothing waits and nobody is prefilling (e.g. during
@@ -478,6 +520,12 @@ class Engine:
             except Exception:
                 pass
         self.scheduler.finish(req)
+        if req.declare:      # no output: count it, and wake a waiting declare_agent
+            with self._stats_lock:
+                self._counters["declared" if reason in ("stop", "length") else "declare_failed"] += 1
+            if reason != "error":        # _fail sends the error itself
+                self._emit(req, StreamDelta(text="", token_ids=[], finish_reason=reason))
+            return
         if reason in ("aborted", "error"):
             with self._stats_lock:
                 self._counters["aborted" if reason == "aborted" else "failed"] += 1

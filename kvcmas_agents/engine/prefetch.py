@@ -79,6 +79,8 @@ class Prefetcher:
         if end == 0 or req.prompt.segments[-1].kind != "suffix":
             return
         self._prefixes[req.agent] = _Prefix(req.prompt_ids[:end], [s for s in req.prompt.segments if s.end <= end])
+        if req.declare:        # a declared prefix alone: nothing shared to predict from
+            return
         for succ in self.successors(req.agent):
             spec = self._predict(succ, req, end)
             if spec is not None:

@@ -66,6 +66,7 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | None = None
     aborted: bool = False
+    declare: bool = False                  # Engine.declare_agent's prefill of an agent's system prefix
 
     @property
     def prompt_ids(self) -> list[int]:

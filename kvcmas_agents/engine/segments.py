@@ -7,6 +7,7 @@ position, context), so an agent never re-corrects a segment it already holds a c
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -37,6 +38,7 @@ class HomeView:
     blocks: list[int]           # blocks holding those slots (one reference each)
     users: int = 0              # running requests reading it (pinned while > 0)
     decoded: bool = False       # KV from the generating agent's decode, matched inside message segments
+    born: float = field(default_factory=time.perf_counter)    # when it was registered
 
 
 @dataclass
@@ -76,10 +78,12 @@ class SegmentStore:
         self.is_cached: Callable[[int], bool] = lambda block: False   # prefix-cache membership
         self.packer = HomePacker(store)          # partial blocks' tokens are packed (engine/home_pack.py)
 
-    def lookup(self, tokens: tuple[int, ...]) -> HomeView | None:
+    def lookup(self, tokens: tuple[int, ...], before: float = float("inf")) -> HomeView | None:
+        """The home view of these tokens, if one was registered before ``before`` (a request's arrival)."""
         home = self._homes.get(tokens)
-        if home is not None:
-            self._homes.move_to_end(tokens)
+        if home is None or home.born > before:
+            return None
+        self._homes.move_to_end(tokens)
         return home
 
     def register(self, tokens: tuple[int, ...], agent: str, start: int, context: int,
@@ -103,14 +107,15 @@ class SegmentStore:
             self._decoded.setdefault(tokens[:DECODE_KEY], []).append(home)
         return home
 
-    def find_decoded(self, tokens: tuple[int, ...]) -> tuple[int, HomeView] | None:
+    def find_decoded(self, tokens: tuple[int, ...], before: float = float("inf")) -> tuple[int, HomeView] | None:
         """The longest decoded reply that occurs whole inside ``tokens`` (a message segment, whose role
-        header and trailer differ from the reply's), as (offset, home)."""
+        header and trailer differ from the reply's), as (offset, home); only replies registered before
+        ``before``."""
         best: tuple[int, HomeView] | None = None
         for i in range(len(tokens) - MIN_DECODED + 1):
             for home in self._decoded.get(tokens[i:i + DECODE_KEY], ()):
                 n = len(home.key)
-                if tokens[i:i + n] == home.key and (best is None or n > len(best[1].key)):
+                if home.born <= before and tokens[i:i + n] == home.key and (best is None or n > len(best[1].key)):
                     best = (i, home)
         if best is not None:
             self._homes.move_to_end(best[1].key)

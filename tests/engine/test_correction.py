@@ -1,6 +1,8 @@
 """KVCMAS cross-agent reuse on the real default model: fidelity against exact prefill, not time."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -391,3 +393,32 @@ async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine)
 def test_row_bits_outside_0_4_8_are_refused(name, bad):
     with pytest.raises(ValueError, match=name):
         EngineConfig(**{name: bad})
+
+
+async def test_concurrent_siblings_compute_their_shared_new_text_and_prefill_together():
+    """A fan-out's first group: three declared experts get the same new task at once. None reuses the
+    task from whichever sibling the worker ran first (only homes older than a request count, so the
+    result does not depend on admission timing), and the two that arrive during the first one's step
+    prefill in one step (their reused pieces need no correction work)."""
+    from kvcmas_agents.fidelity.scenarios import FANOUT, declare_systems, prompt_messages
+
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    try:
+        engine.set_edges(FANOUT.edges)
+        declare_systems(engine, FANOUT)
+        prefills: list[int] = []
+        schedule = engine.scheduler.schedule
+
+        def recording():
+            items = schedule()
+            prefills.append(sum(1 for it in items if it.num_tokens > 1))
+            return items
+
+        engine.scheduler.schedule = recording
+        _, group, handoff = FANOUT.schedule()[0]
+        outs = await asyncio.gather(*(engine.generate(prompt_messages(FANOUT, a, [("moderator", handoff)]), agent=a,
+                                                      sampling=SamplingParams(max_tokens=2)) for a in group))
+        assert all(o.usage.reused_tokens == 0 and o.usage.cached_tokens > 0 for o in outs)
+        assert max(prefills) >= 2, prefills
+    finally:
+        await engine.aclose()

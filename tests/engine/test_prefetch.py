@@ -123,3 +123,69 @@ async def test_a_wrong_prediction_is_never_used(histories):
         assert engine.stats()["prefetch"]["corrections"] >= 1
     finally:
         await engine.aclose()
+
+
+async def test_declared_agents_get_first_contact_corrections_ahead(histories):
+    """With its system prompt declared, an agent's first turn finds its own prefix computed and the
+    shared history corrected ahead of time by its predecessor; undeclared, round 1 corrects inline."""
+    plain, declared, exact = (Engine(EngineConfig(reuse=r)) for r in ("kvcmas", "kvcmas", "none"))
+    try:
+        for e in (plain, declared):
+            e.set_edges(EDGES)
+        sizes = [declared.declare_agent(agent, SYSTEM[agent]) for agent in SYSTEM]
+        stats = declared.stats()
+        assert all(n > 0 for n in sizes) and stats["declared"] == 3 and stats["requests"] == 0
+        # Only the declared prefixes' home views hold KV: the side requests freed the rest.
+        assert stats["blocks_in_use"] == len(declared.scheduler.segments.home_blocks) > 0
+        base, pre = await play(plain, histories[:1]), await play(declared, histories[:1])
+        ref = await play(exact, histories[:1])
+        assert [o.usage.cached_tokens for o in pre] == sizes and all(o.usage.cached_tokens == 0 for o in base)
+        by_agent = declared.stats()["prefetch"]["by_agent"]
+        assert by_agent.get("coder") == by_agent.get("reviewer") == 1
+        for i in (1, 2):
+            assert pre[i].usage.reused_tokens == base[i].usage.reused_tokens > 0
+            assert pre[i].usage.recomputed_tokens < base[i].usage.recomputed_tokens
+        # More rows recomputed ahead of time (prefetch_ratio) than inline: round 1 is no less faithful.
+        ours = sum(kl(ref[i].logits[0], pre[i].logits[0]) for i in (1, 2))
+        inline = sum(kl(ref[i].logits[0], base[i].logits[0]) for i in (1, 2))
+        assert ours <= inline * 1.5 and ours < 0.05, (ours, inline)
+        assert declared.stats()["requests"] == 3 and set(declared.stats()["agents"]) == set(SYSTEM)
+    finally:
+        for e in (plain, declared, exact):
+            await e.aclose()
+
+
+async def test_declare_agent_rejects_bad_input_and_reports_failures(monkeypatch):
+    from kvcmas_agents.engine import ContextLengthError, EngineError, InvalidRequestError
+
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    try:
+        for agent, system in (("", "hi"), ("a", ""), ("a", []), ("a", [{"role": "user", "content": "hi"}]),
+                              ("a", 42)):
+            with pytest.raises(InvalidRequestError):
+                engine.declare_agent(agent, system)
+        with pytest.raises(ContextLengthError):
+            engine.declare_agent("a", "word " * (engine.max_context + 10))
+        real = engine.runner.run
+
+        def broken(items):
+            if any(it.request.declare for it in items):
+                raise RuntimeError("injected")
+            return real(items)
+
+        monkeypatch.setattr(engine.runner, "run", broken)
+        with pytest.raises(EngineError, match="injected"):
+            engine.declare_agent("planner", SYSTEM["planner"])
+        out = await engine.generate(prompt("planner", [{"role": "user", "content": TASK}]), agent="planner",
+                                    sampling=SamplingParams(max_tokens=4))
+        stats = engine.stats()
+        assert out.finish_reason in ("stop", "length") and out.usage.cached_tokens == 0
+        assert stats["declare_failed"] == 1 and stats["declared"] == 0 and stats["failed"] == 0
+        assert stats["num_running"] == 0
+    finally:
+        await engine.aclose()
+    none = Engine(EngineConfig(reuse="none"))
+    try:
+        assert none.declare_agent("planner", SYSTEM["planner"]) == 0 and none.stats()["declared"] == 0
+    finally:
+        await none.aclose()

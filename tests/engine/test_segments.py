@@ -49,3 +49,15 @@ def test_evicting_a_decoded_home_removes_it_from_the_search():
     assert seg.evict_one()
     assert seg.find_decoded((1,) + reply) is None
     assert seg.store.stats().blocks_active == 0          # its blocks went back with it
+
+
+def test_homes_registered_after_a_request_arrived_are_not_offered_to_it():
+    seg = _store()
+    blocks = _blocks(seg, 8)
+    segment, reply = tuple(range(10, 20)), tuple(range(100, 112))
+    home = seg.register(segment, "a", 0, 1, blocks)
+    decoded = seg.register_decoded(reply, "a", 20, 2, blocks)
+    assert seg.lookup(segment, before=home.born) is home and seg.lookup(segment) is home
+    assert seg.lookup(segment, before=home.born - 1e-6) is None
+    assert seg.find_decoded((1,) + reply, before=decoded.born) == (1, decoded)
+    assert seg.find_decoded((1,) + reply, before=decoded.born - 1e-6) is None
