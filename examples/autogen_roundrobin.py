@@ -34,7 +34,7 @@ async def main(max_tokens: int, max_messages: int, reuse: str | None) -> None:
     agents = [AssistantAgent(name, model_client=client, system_message=prompt, model_client_stream=True)
               for name, prompt in ROLES.items()]
     team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(max_messages))
-    register_team(team)     # planner -> coder -> reviewer -> planner
+    register_team(team)     # planner -> coder -> reviewer -> planner; declares each system message too
     await Console(team.run_stream(task=TASK))
     print_agent_stats(client.engine.stats(), width=12)
     await client.close()

@@ -29,6 +29,7 @@ EXPERTS = {
     "testing": "You are a testing expert. Give one short testing recommendation.",
     "usability": "You are a usability expert. Give one short usability recommendation.",
 }
+SUMMARIZER = "You summarize expert advice in two sentences."
 QUESTION = "We are building a web API that lets users upload and share photos. What should we watch out for?"
 
 
@@ -51,7 +52,7 @@ def build_graph(llm: ChatKVCMAS) -> StateGraph:
 
     async def summarizer(state: Panel) -> dict:
         notes = "\n".join(state["answers"])
-        reply = await llm.ainvoke([SystemMessage("You summarize expert advice in two sentences."),
+        reply = await llm.ainvoke([SystemMessage(SUMMARIZER),
                                    HumanMessage(state["question"]), HumanMessage(f"Advice:\n{notes}")])
         return {"summary": reply.content.strip()}
 
@@ -69,7 +70,9 @@ def build_graph(llm: ChatKVCMAS) -> StateGraph:
 async def main(max_tokens: int, reuse: str | None) -> None:
     llm = ChatKVCMAS(max_tokens=max_tokens, reuse=reuse)
     compiled = build_graph(llm).compile()
-    register_graph(compiled, llm)
+    # Edges, and the system prompt each node starts with (prefilled now, before the fan-out).
+    register_graph(compiled, llm, systems={**{f"expert_{a}": text for a, text in EXPERTS.items()},
+                                           "summarizer": SUMMARIZER})
     out = await compiled.ainvoke({"question": QUESTION, "answers": []})
     print("\n\n".join(out["answers"]))
     print(f"\n--- summary\n{out['summary']}")

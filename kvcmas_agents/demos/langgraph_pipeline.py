@@ -72,13 +72,16 @@ def build_graph(llm, rounds: int):
 
 
 async def run_graph(llm, rounds: int, task: str = TASK) -> None:
-    """Compile the graph, register its edges with the engine, stream it, print each node's reply."""
+    """Compile the graph, register its edges and system prompts with the engine, stream it, print each
+    node's reply."""
     from langchain_core.messages import HumanMessage
 
     from ..integrations.langgraph import register_graph
 
     compiled = build_graph(llm, rounds).compile()
-    register_graph(compiled, llm)
+    # The edges, and each node's system prompt: declared, it is prefilled now, and from the first round
+    # on each agent's predecessor corrects the shared history for it while it decodes.
+    register_graph(compiled, llm, systems=ROLES)
     async for update in compiled.astream({"messages": [HumanMessage(task)]}, stream_mode="updates"):
         for node, change in update.items():
             reply = change["messages"][-1]

@@ -31,7 +31,7 @@ from ._autogen_convert import (
     ToolCallFilter, json_instruction, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
     with_instruction,
 )
-from ._autogen_team import current_agent_name, team_edges, team_engine
+from ._autogen_team import current_agent_name, team_declarations, team_edges, team_engine
 
 __all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]
 
@@ -273,6 +273,11 @@ def register_team(team: Any, model_or_engine: str | Engine | None = None) -> lis
     (and other group chats) the participant-order cycle, an approximation since the speaker is
     chosen at run time. The engine is ``model_or_engine`` if given, else the one behind the first
     participant using a KVCMASClient, else the shared default engine (created with reuse="kvcmas").
+
+    Each participant that calls this engine through a KVCMASClient with a system message is also
+    declared to it (``Engine.declare_agent``, with the tools it shows the model): its system prompt
+    is prefilled now, and its predecessors correct the shared history for it ahead of time from its
+    first turn on.
     """
     edges = team_edges(team)
     if isinstance(model_or_engine, Engine):
@@ -282,4 +287,6 @@ def register_team(team: Any, model_or_engine: str | Engine | None = None) -> lis
     else:
         engine = team_engine(team) or get_engine(None, reuse=ADAPTER_REUSE)
     engine.set_edges(edges)
+    for name, system, tools in team_declarations(team, engine):
+        engine.declare_agent(name, system, tools or None)
     return edges

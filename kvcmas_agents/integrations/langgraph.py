@@ -1,9 +1,12 @@
 """Register a LangGraph graph's agent edges with the engine, so reuse knows who feeds whom."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Sequence
+
+from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from ..engine import Engine
+from ._lc_messages import to_engine_messages
 from ..registry import ADAPTER_REUSE, get_engine
 
 _VIRTUAL = ("__start__", "__end__")
@@ -31,12 +34,20 @@ def graph_edges(graph: Any) -> list[tuple[str, str]]:
     return sorted(edges, key=lambda e: (order.get(e[0], len(order)), order.get(e[1], len(order)), e))
 
 
-def register_graph(graph: Any, model_or_engine: Engine | str | Any | None = None) -> list[tuple[str, str]]:
+def register_graph(graph: Any, model_or_engine: Engine | str | Any | None = None,
+                   systems: Mapping[str, str | Sequence[Any]] | None = None,
+                   tools: Mapping[str, Sequence[Any]] | None = None) -> list[tuple[str, str]]:
     """Register ``graph``'s node edges with the engine and return them.
 
     ``model_or_engine``: an ``Engine``, a model name for the shared registry engine (None: the
     default model; created with reuse="kvcmas" if new), or a ``ChatKVCMAS`` whose engine to use.
     Node names are the agent names the engine sees from ``ChatKVCMAS`` calls made inside those nodes.
+
+    ``systems`` maps node names to the system prompt each node's calls start with (a string, or
+    LangChain / OpenAI-style system messages), and ``tools`` to the tools its model is bound to.
+    Each is declared to the engine (``Engine.declare_agent``): the prompt is prefilled now, and the
+    node's graph predecessors correct the shared history for it ahead of time from its very first
+    turn. A declaration that differs from what the node really sends is never used.
     """
     if isinstance(model_or_engine, Engine):
         engine = model_or_engine
@@ -47,5 +58,19 @@ def register_graph(graph: Any, model_or_engine: Engine | str | Any | None = None
     else:
         raise TypeError(f"expected an Engine, a model name or a ChatKVCMAS, got {type(model_or_engine).__name__}")
     edges = graph_edges(graph)
+    unknown = sorted(set(tools or ()) - set(systems or ()))
+    if unknown:
+        raise ValueError(f"tools given for nodes without a system prompt in systems: {unknown}")
     engine.set_edges(edges)
+    for node, system in (systems or {}).items():
+        specs = [convert_to_openai_tool(t) for t in (tools or {}).get(node, ())] or None
+        engine.declare_agent(node, _system_messages(node, system), specs)
     return edges
+
+
+def _system_messages(node: str, system: str | Sequence[Any]) -> str | list[dict[str, Any]]:
+    if isinstance(system, str):
+        return system
+    if not isinstance(system, Sequence) or not system:
+        raise ValueError(f"systems[{node!r}] must be a string or a non-empty list of system messages")
+    return [m if isinstance(m, dict) else to_engine_messages([m])[0] for m in system]

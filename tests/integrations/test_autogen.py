@@ -336,6 +336,29 @@ async def test_round_robin_later_agents_reuse_earlier_agents_kv(kvcmas_engine):
     assert last.usage.reused_tokens == delta["reviewer"]["reused_tokens"]
 
 
+async def test_register_team_declares_system_prompts_with_tools(kvcmas_engine):
+    """Every participant's system message (the coder's with its tool instructions) is declared: each
+    first call finds its own prefix computed, and the coder and reviewer get the shared history
+    corrected ahead of time by their predecessor."""
+    client = KVCMASClient(engine=kvcmas_engine, max_tokens=12)
+    names = ["planner", "coder", "reviewer"]
+    agents = [AssistantAgent(n, model_client=client, tools=[WEATHER] if n == "coder" else None,
+                             system_message=f"You are the {n} of the declared team. Be brief.") for n in names]
+    team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(4))
+    before = kvcmas_engine.stats()
+    ahead = dict(before["prefetch"]["by_agent"])
+    register_team(team)
+    assert kvcmas_engine.stats()["declared"] - before["declared"] == 3
+    result = await team.run(task="Plan a tiny script that prints the weather.")
+    assert [m.source for m in result.messages][:2] == ["user", "planner"]
+    after = kvcmas_engine.stats()
+    cached = {n: after["agents"][n]["cached_tokens"] - before["agents"].get(n, {}).get("cached_tokens", 0)
+              for n in names}
+    assert all(c > 0 for c in cached.values()), cached
+    by_agent = after["prefetch"]["by_agent"]
+    assert all(by_agent.get(n, 0) > ahead.get(n, 0) for n in ("coder", "reviewer")), by_agent
+
+
 async def test_round_robin_with_explicit_prefix_reuse_reuses_nothing(kvcmas_engine):
     client = KVCMASClient(engine=kvcmas_engine, max_tokens=12, reuse="prefix")
     delta = await run_round_robin(client, kvcmas_engine, "Plan a tiny goodbye-world script.")

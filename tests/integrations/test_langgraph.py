@@ -247,3 +247,46 @@ async def test_explicit_engine_kvcmas_pipeline_reuses_and_prefix_override_does_n
         assert m.response_metadata["reuse"] == "prefix" and m.response_metadata["reused_tokens"] == 0
     assert agent_deltas(kvcmas_engine, before, "reused_tokens") == {a: 0 for a in ROLES}
     assert agent_deltas(kvcmas_engine, before, "requests") == {a: 1 for a in ROLES}
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers."""
+    return a * b
+
+
+async def test_register_graph_declares_system_prompts_and_tools(kvcmas_engine):
+    """Declared nodes find their own system prompt (with the coder's tool instructions) computed on
+    their first call, and the coder and reviewer get their shared history corrected ahead of time."""
+    systems = {n: f"{text} This is the declared team." for n, text in ROLES.items()}
+    llm = ChatKVCMAS(engine=kvcmas_engine, max_tokens=12)
+    models = {"planner": llm, "coder": llm.bind_tools([multiply]), "reviewer": llm}
+
+    def make(name: str):
+        async def node(state: MessagesState) -> dict:
+            return {"messages": [await models[name].ainvoke([SystemMessage(systems[name]), *state["messages"]])]}
+        return node
+
+    graph = StateGraph(MessagesState)
+    for name in ROLES:
+        graph.add_node(name, make(name))
+    graph.add_edge(START, "planner")
+    graph.add_edge("planner", "coder")
+    graph.add_edge("coder", "reviewer")
+    compiled = graph.compile()
+    with pytest.raises(ValueError, match="ghost"):
+        register_graph(compiled, kvcmas_engine, systems=systems, tools={"ghost": [multiply]})
+    with pytest.raises(ValueError):
+        register_graph(compiled, kvcmas_engine, systems={"planner": 42})
+
+    before = kvcmas_engine.stats()
+    ahead = dict(before["prefetch"]["by_agent"])
+    register_graph(compiled, kvcmas_engine, systems={"planner": systems["planner"], "coder": [SystemMessage(
+        systems["coder"])], "reviewer": [{"role": "system", "content": systems["reviewer"]}]},
+        tools={"coder": [multiply]})
+    assert kvcmas_engine.stats()["declared"] - before["declared"] == 3
+    out = await compiled.ainvoke({"messages": [HumanMessage("Write a function that squares a number.")]})
+    replies = {m.response_metadata["agent"]: m for m in out["messages"][1:]}
+    assert list(replies) == list(ROLES)
+    assert all(m.response_metadata["cached_tokens"] > 0 for m in replies.values())
+    by_agent = kvcmas_engine.stats()["prefetch"]["by_agent"]
+    assert all(by_agent.get(a, 0) > ahead.get(a, 0) for a in ("coder", "reviewer")), by_agent
