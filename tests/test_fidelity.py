@@ -106,6 +106,15 @@ def test_storage_options_become_engine_config_fields():
         parser.parse_args(["--u8-components", "many"])
 
 
+def test_no_declare_option():
+    import argparse
+
+    from kvcmas_agents.fidelity.cli import add_args
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    assert parser.parse_args(["--no-declare"]).no_declare and not parser.parse_args([]).no_declare
+
+
 # --- a tiny run on the real model ----------------------------------------------------------------
 async def test_tiny_end_to_end_run(tmp_path):
     mini = replace(CSV, name="mini", groups=CSV.groups[:2], handoffs=CSV.handoffs[:2], edges=CSV.edges[:1])
@@ -135,6 +144,9 @@ async def test_tiny_end_to_end_run(tmp_path):
     assert entry["modes"]["kvcmas"]["stats"]["prefetch_ratio"] == 0.8
     assert data["config"]["u8_components"] == entry["modes"]["kvcmas"]["stats"]["u8_components"] == 8
     assert entry["modes"]["kvcmas"]["stats"]["correction_dtype"] == "int8_basis"
+    # Every replay's engine had the agents' system prompts declared first (as the adapters do).
+    assert data["config"]["declare"] is True
+    assert all(entry["modes"][m]["stats"]["declared"] == len(mini.systems) for m in ("prefix", "naive", "kvcmas"))
     prefix = entry["modes"]["prefix"]["summary"]
     assert prefix["first_token_kl_max"] < 1e-6 and prefix["tf_kl_max"] < 1e-6 and prefix["agreement_min"] == 1.0
     coder = entry["modes"]["kvcmas"]["turns"][1]

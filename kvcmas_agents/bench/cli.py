@@ -39,6 +39,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/results/bench", help="output folder")
     parser.add_argument("--model", default=None, help="checkpoint dir, .gguf, or random:<shape> (GPU speed runs)")
     parser.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--no-declare", action="store_true",
+                        help="do not declare the agents' system prompts to the engines before each replay")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="model and KV dtype (default: bf16 on CUDA, fp32 on CPU); bfloat16 on CPU "
                              "measures the memory a GPU run holds")
@@ -60,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     sweep = sweep_of(args)
     cfg = BenchConfig(traces, list(args.methods), sweep, traces[0].name, args.eval_tokens, args.decode == "full",
                       args.throughput_tokens, args.model, args.device,
-                      args.kv_budget_mib * 2**20 if args.kv_budget_mib else None, args.dtype)
+                      args.kv_budget_mib * 2**20 if args.kv_budget_mib else None, args.dtype,
+                      declare=not args.no_declare)
     result = asyncio.run(run_bench(cfg))
     result["config"]["preset"] = args.preset
     command = "kvcmas bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else ""

@@ -19,6 +19,7 @@ import torch
 from ..engine import Engine, SamplingParams
 from ..fidelity.conversation import ExactTurn, run_exact_and_close
 from ..fidelity.replay import ReplayTurn, replay
+from ..fidelity.scenarios import declare_systems
 from ..fidelity.summary import summarize
 from ..fidelity.caller_thread import single_threaded_caller
 from .methods import METHODS, Method
@@ -47,6 +48,7 @@ class BenchConfig:
     kv_budget_bytes: int | None = None
     dtype: str | None = None          # None: the engine's default (bf16 on CUDA, fp32 on CPU)
     num_threads: int | None = None    # engines' intra-op threads (None: the caller's torch.get_num_threads())
+    declare: bool = True              # declare the agents' system prompts first, as the adapters do
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -87,6 +89,8 @@ class _Bench:
         engine = self.engine(method)
         try:
             engine.set_edges(trace.scenario.edges)
+            if self.cfg.declare:
+                declare_systems(engine, trace.scenario)
             await self._warm(engine)
             if self.cuda:
                 torch.cuda.synchronize()
@@ -101,7 +105,7 @@ class _Bench:
                 memory["cuda_peak_over_pool_bytes"] = int(torch.cuda.max_memory_allocated() - base)
             served = sorted({t.served for t in turns})
             engine_stats = {k: stats.get(k) for k in ("anchors", "anchor_hits", "anchor_misses", "corrections",
-                                                      "correction_rows_dropped", "home_views", "prefetch")}
+                                                      "correction_rows_dropped", "home_views", "prefetch", "declared")}
         finally:
             await engine.aclose()
         return {"method": method.name, "label": method.label, "reuse": method.reuse, "knobs": asdict(method),
@@ -169,7 +173,8 @@ async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
     result: dict[str, Any] = {"config": {
         "model": cfg.model, "device": cfg.device, "eval_tokens": cfg.eval_tokens, "full_decode": cfg.full_decode,
         "throughput_tokens": cfg.throughput_tokens, "methods": list(cfg.methods),
-        "sweep": [m.label for m in cfg.sweep], "torch_threads": threads}, "traces": {}}
+        "sweep": [m.label for m in cfg.sweep], "torch_threads": threads, "declare": cfg.declare},
+        "traces": {}}
     for trace in cfg.traces:
         t0 = time.perf_counter()
         exact, served = await run_exact_and_close(bench.engine(METHODS["none"]), trace.scenario, trace.reply_tokens,

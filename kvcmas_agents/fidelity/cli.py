@@ -41,6 +41,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.u8_components: U's components kept at 8 bits, or 'all' (engine default)")
     parser.add_argument("--prefetch-ratio", type=float, default=None,
                         help="EngineConfig.prefetch_ratio of ahead-of-time corrections (engine default)")
+    parser.add_argument("--no-declare", action="store_true",
+                        help="do not declare the agents' system prompts to the engines before each replay")
     parser.add_argument("--sweep-scenario", default=None, help="scenario of the sweep (default: the first)")
     parser.add_argument("--sweep-ratios", type=float, nargs="+", default=None)
     parser.add_argument("--sweep-ranks", type=int, nargs="+", default=None)
@@ -79,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         reply_tokens=args.reply_tokens or preset["reply_tokens"], eval_tokens=args.eval_tokens or preset["eval_tokens"],
         sweep=sweep, model=args.model, device=args.device, full_decode=args.decode == "full",
         value_bits=args.value_bits, key_bits=args.key_bits, small_rows=not args.no_small_rows,
-        prefetch_ratio=args.prefetch_ratio, storage=storage_of(args)))
+        prefetch_ratio=args.prefetch_ratio, storage=storage_of(args), declare=not args.no_declare))
     result["config"]["quick"] = args.quick
     paths = write_report(result, args.out)
     print(summary_table(result), "", history_table(result), sep="\n")

@@ -10,11 +10,11 @@ from ..engine import Engine, EngineConfig, ReuseOptions
 from .caller_thread import single_threaded_caller
 from .conversation import ExactTurn, run_exact_and_close
 from .replay import ReplayTurn, replay
-from .scenarios import Scenario
+from .scenarios import Scenario, declare_systems
 from .summary import check_targets, pooled, summarize
 
 EXACT_MODES = ("none", "prefix")          # exact by construction: sanity rows, evaluated on fewer tokens
-STAT_KEYS = ("reuse", "recompute_ratio", "rank", "reference", "prefetch_ratio", "correction_dtype", "u8_components",
+STAT_KEYS = ("reuse", "recompute_ratio", "rank", "reference", "prefetch_ratio", "declared", "correction_dtype", "u8_components",
              "home_views", "home_view_bytes", "corrections", "correction_bytes", "kv_bytes_peak", "kv_bytes_total_peak",
              "template_fallbacks", "realign_refusals")
 Log = Callable[[str], None]
@@ -42,9 +42,10 @@ class _Runner:
     """Builds fresh engines (one per mode and knob setting) and times each replay."""
 
     def __init__(self, model: str | None, device: str, knobs: ReuseOptions, log: Log, full_decode: bool = True,
-                 engine_knobs: dict[str, Any] | None = None, threads: int | None = None):
+                 engine_knobs: dict[str, Any] | None = None, threads: int | None = None, declare: bool = True):
         self.model, self.device, self.knobs, self.log = model, device, knobs, log
         self.full_decode, self.engine_knobs, self.threads = full_decode, engine_knobs or {}, threads
+        self.declare = declare
 
     def engine(self, reuse: str, knobs: ReuseOptions | None = None) -> Engine:
         k = knobs or self.knobs
@@ -58,6 +59,8 @@ class _Runner:
         engine = self.engine(reuse, knobs)
         try:
             engine.set_edges(scenario.edges)
+            if self.declare:
+                declare_systems(engine, scenario)
             t0 = time.perf_counter()
             turns = await replay(engine, exact, eval_tokens, self.full_decode)
             wall = time.perf_counter() - t0
@@ -72,7 +75,8 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
                        sweep: SweepGrid | None = None, sanity_eval_tokens: int = 8, model: str | None = None,
                        device: str = "cpu", log: Log = _stderr, full_decode: bool = True,
                        value_bits: int = 0, key_bits: int = 0, prefetch_ratio: float | None = None,
-                       small_rows: bool = True, storage: dict[str, Any] | None = None) -> dict[str, Any]:
+                       small_rows: bool = True, storage: dict[str, Any] | None = None,
+                       declare: bool = True) -> dict[str, Any]:
     """Measure each reuse mode against the exact run of the same prompts; return a JSON-able dict.
 
     Per scenario: an exact ``reuse="none"`` pass with greedy replies of ``reply_tokens``; then, per mode,
@@ -82,6 +86,7 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
     scenarios over a recompute_ratio x rank grid of kvcmas settings. ``value_bits``, ``key_bits``,
     ``small_rows`` and ``prefetch_ratio`` (None: the default) are the engines' EngineConfig fields of
     those names; ``storage`` sets more of them (say ``correction_dtype``, ``u8_components``).
+    ``declare`` declares the agents' system prompts to each replay's engine first, as the adapters do.
     """
     engine_knobs: dict[str, Any] = {"value_bits": value_bits, "key_bits": key_bits, "small_rows": small_rows,
                                     **(storage or {})}
@@ -89,7 +94,7 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
         engine_knobs["prefetch_ratio"] = prefetch_ratio
     # Scoring runs on this thread; one-threaded, it starts no second OpenMP team beside the engine's.
     with single_threaded_caller() as threads:
-        runner = _Runner(model, device, knobs or ReuseOptions(), log, full_decode, engine_knobs, threads)
+        runner = _Runner(model, device, knobs or ReuseOptions(), log, full_decode, engine_knobs, threads, declare)
         return await _run(runner, scenarios, modes, reply_tokens, eval_tokens, sweep, sanity_eval_tokens)
 
 
@@ -100,7 +105,7 @@ async def _run(runner: _Runner, scenarios: Sequence[Scenario], modes: Sequence[s
     result: dict[str, Any] = {"config": {
         "model": runner.model, "device": runner.device, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
         "sanity_eval_tokens": sanity_eval_tokens, "modes": list(modes), "knobs": asdict(runner.knobs),
-        "full_decode": runner.full_decode, **runner.engine_knobs,
+        "full_decode": runner.full_decode, "declare": runner.declare, **runner.engine_knobs,
         "sweep": asdict(sweep) if sweep else None, "kl_units": "nats", "torch_threads": runner.threads},
         "scenarios": {}}
     for scenario in scenarios:

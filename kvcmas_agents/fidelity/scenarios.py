@@ -11,6 +11,7 @@ everything after it).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 from . import scenario_texts as texts
 
@@ -60,6 +61,14 @@ def prompt_messages(scenario: Scenario, agent: str, history: History) -> list[di
     messages += [{"role": "user", "content": text if name == MODERATOR else f"[{name}]\n{text}"}
                  for name, text in history]
     return messages
+
+
+def declare_systems(engine: Any, scenario: Scenario) -> None:
+    """Declare every agent's system message to the engine before the conversation, as the framework
+    adapters do (``Engine.declare_agent``): first turns then find their own prefix computed, and
+    the shared history corrected ahead of time along the edges."""
+    for agent, system in scenario.systems.items():
+        engine.declare_agent(agent, system)
 
 
 def _chain(agents: tuple[str, ...], loop: bool) -> tuple[tuple[str, str], ...]:

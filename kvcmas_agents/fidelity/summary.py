@@ -10,8 +10,9 @@ TARGETS = {"first_token_kl_mean": 0.01, "tf_kl_mean": 0.01, "agreement_mean": 0.
 
 
 def later(turns: list[ReplayTurn]) -> list[ReplayTurn]:
-    """Turns after the first turn group: those that can reuse other agents' KV."""
-    return [t for t in turns if t.group > 0]
+    """Turns that can reuse other agents' KV: those after the first turn group, and any turn of that
+    group that did (in a concurrent first group, a sibling can compute the shared task first)."""
+    return [t for t in turns if t.group > 0 or t.reused_tokens > 0]
 
 
 def summarize(turns: list[ReplayTurn], eval_tokens: int | None = None) -> dict[str, float]:

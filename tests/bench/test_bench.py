@@ -57,6 +57,16 @@ def test_exact_modes_are_exact_and_reuse_modes_reuse(report):
     assert methods["kvcmas"]["fidelity"]["first_token_kl_mean"] < methods["naive"]["fidelity"]["first_token_kl_mean"]
 
 
+def test_agents_are_declared_to_every_reusing_engine(report):
+    """As the adapters do, every replay declares the agents' system prompts first ("none" declines)."""
+    _, result = report
+    methods = result["traces"]["csv"]["methods"]
+    assert result["config"]["declare"] is True
+    assert methods["none"]["engine"]["declared"] == 0
+    assert all(m["engine"]["declared"] == 3 for name, m in methods.items() if name != "none")
+    assert methods["kvcmas"]["engine"]["prefetch"]["by_agent"].get("coder", 0) >= 1
+
+
 def test_sweep_and_throughput(report):
     _, result = report
     entry = result["traces"]["csv"]
@@ -115,6 +125,7 @@ def test_dtype_option_sets_the_engines_model_and_kv_dtype():
     add_args(parser)
     assert parser.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
     assert parser.parse_args([]).dtype is None
+    assert parser.parse_args(["--no-declare"]).no_declare and not parser.parse_args([]).no_declare
     engine = _Bench(BenchConfig([], device="cpu", dtype="bfloat16"), print).engine(METHODS["kvcmas"])
     try:
         assert engine.model.dtype == torch.bfloat16
