@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Annotated, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
@@ -33,17 +33,21 @@ def kvcmas_engine():
     engine.close()
 
 
-def pipeline(llm: ChatKVCMAS, sync: bool = False) -> StateGraph:
-    """planner -> coder -> reviewer, each node with its own system prompt over the shared messages."""
+def pipeline(llm: ChatKVCMAS, sync: bool = False, roles: dict[str, str] = ROLES,
+             models: dict[str, Any] | None = None) -> StateGraph:
+    """planner -> coder -> reviewer, each node with its own system prompt over the shared messages
+    (``models`` replaces ``llm`` in some nodes, e.g. one bound to tools)."""
     def make(name: str):
+        model = (models or {}).get(name, llm)
+
         def prompt(state: MessagesState) -> list:
-            return [SystemMessage(ROLES[name]), *state["messages"]]
+            return [SystemMessage(roles[name]), *state["messages"]]
 
         def node_sync(state: MessagesState) -> dict:
-            return {"messages": [llm.invoke(prompt(state))]}
+            return {"messages": [model.invoke(prompt(state))]}
 
         async def node(state: MessagesState) -> dict:
-            return {"messages": [await llm.ainvoke(prompt(state))]}
+            return {"messages": [await model.ainvoke(prompt(state))]}
         return node_sync if sync else node
 
     graph = StateGraph(MessagesState)
@@ -259,20 +263,7 @@ async def test_register_graph_declares_system_prompts_and_tools(kvcmas_engine):
     their first call, and the coder and reviewer get their shared history corrected ahead of time."""
     systems = {n: f"{text} This is the declared team." for n, text in ROLES.items()}
     llm = ChatKVCMAS(engine=kvcmas_engine, max_tokens=12)
-    models = {"planner": llm, "coder": llm.bind_tools([multiply]), "reviewer": llm}
-
-    def make(name: str):
-        async def node(state: MessagesState) -> dict:
-            return {"messages": [await models[name].ainvoke([SystemMessage(systems[name]), *state["messages"]])]}
-        return node
-
-    graph = StateGraph(MessagesState)
-    for name in ROLES:
-        graph.add_node(name, make(name))
-    graph.add_edge(START, "planner")
-    graph.add_edge("planner", "coder")
-    graph.add_edge("coder", "reviewer")
-    compiled = graph.compile()
+    compiled = pipeline(llm, roles=systems, models={"coder": llm.bind_tools([multiply])}).compile()
     with pytest.raises(ValueError, match="ghost"):
         register_graph(compiled, kvcmas_engine, systems=systems, tools={"ghost": [multiply]})
     with pytest.raises(ValueError):
