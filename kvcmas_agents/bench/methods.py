@@ -8,7 +8,8 @@ from ..engine import EngineConfig
 
 @dataclass(frozen=True)
 class Method:
-    """A reuse mode plus the knobs it runs with (None keeps the engine default)."""
+    """A reuse mode plus the knobs it runs with (None keeps the engine default; u8_components="all"
+    keeps every component of U at 8 bits)."""
 
     name: str
     reuse: str
@@ -21,7 +22,7 @@ class Method:
     key_bits: int | None = None
     small_rows: bool | None = None
     correction_dtype: str | None = None
-    u8_components: int | None = None
+    u8_components: int | str | None = None
 
     def _knobs(self) -> dict:
         return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio",
@@ -29,7 +30,10 @@ class Method:
                                               "u8_components") if getattr(self, k) is not None}
 
     def config(self, model: str | None, device: str, **extra) -> EngineConfig:
-        return EngineConfig(model=model, device=device, reuse=self.reuse, **self._knobs(), **extra)
+        knobs = self._knobs()
+        if knobs.get("u8_components") == "all":
+            knobs["u8_components"] = None
+        return EngineConfig(model=model, device=device, reuse=self.reuse, **knobs, **extra)
 
     @property
     def label(self) -> str:
@@ -57,8 +61,8 @@ METHODS: dict[str, Method] = {
     "kvcmas-k8v4": Method("kvcmas-k8v4", "kvcmas", value_bits=4, key_bits=8),
     # ours with keys and values as 4-bit rows (EngineConfig.key_bits, value_bits): no SVD at all
     "kvcmas-kv4": Method("kvcmas-kv4", "kvcmas", value_bits=4, key_bits=4),
-    # ours with B in int8 and U's last 12 of 40 components as 4-bit codes (EngineConfig.u8_components)
-    "kvcmas-lean": Method("kvcmas-lean", "kvcmas", correction_dtype="int8_basis", u8_components=28),
+    # ours with the storage defaults before 4-bit tails: U all in int8, B in bf16 (the comparison)
+    "kvcmas-int8": Method("kvcmas-int8", "kvcmas", correction_dtype="int8", u8_components="all"),
 }
 DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
 

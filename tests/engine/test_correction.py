@@ -249,23 +249,24 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
 
 
 async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine):
-    """Factors keep U in int8 (B in bf16, carrying U's scales) for keys and values; value_bits=4
+    """Factors keep U in int8 (B in bf16, carrying U's scales) for keys and values ("int8"); value_bits=4
     keeps the values as 4-bit rows instead (one bf16 scale per row, no B_v), key_bits=4 the keys too
-    (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too, and u8_components=28 with it
-    stores U's last 12 components as 4-bit codes (bench method kvcmas-lean). The default (small_rows) keeps
-    this small correction's rows in 8 bits, in fewer bytes than its factors. Each stays far closer to
-    exact than the same reuse uncorrected."""
+    (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too, and the default
+    u8_components=28 with it stores U's last 12 components as 4-bit codes ("lean", the default
+    storage). The default small_rows keeps this small correction's rows in 8 bits, in fewer bytes than
+    its factors. Each stays far closer to exact than the same reuse uncorrected."""
     history = await conversation(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
     factors = {"small_rows": False}
-    kinds = {"default": factors, "value_rows": {"value_bits": 4, **factors},
-             "key_rows": {"key_bits": 4, "value_bits": 4}, "int8_basis": {"correction_dtype": "int8_basis", **factors},
-             "lean": {"correction_dtype": "int8_basis", "u8_components": 28, **factors},
-             "bfloat16": {"correction_dtype": "bfloat16"}, "float32": {"correction_dtype": "float32"},
-             "small_rows": {}}
+    int8 = {"correction_dtype": "int8", "u8_components": None}          # the storage before 4-bit tails
+    kinds = {"int8": {**int8, **factors}, "value_rows": {"value_bits": 4, **int8, **factors},
+             "key_rows": {"key_bits": 4, "value_bits": 4, **int8},
+             "int8_basis": {"correction_dtype": "int8_basis", "u8_components": None, **factors},
+             "lean": factors, "bfloat16": {"correction_dtype": "bfloat16"},
+             "float32": {"correction_dtype": "float32"}, "small_rows": int8}
     assert (EngineConfig().correction_dtype, EngineConfig().value_bits, EngineConfig().key_bits,
-            EngineConfig().small_rows, EngineConfig().u8_components) == ("int8", 0, 0, True, None)
+            EngineConfig().small_rows, EngineConfig().u8_components) == ("int8_basis", 0, 0, True, 28)
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="u8_components"):
             EngineConfig(u8_components=bad)
@@ -276,7 +277,7 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
             outs[kind] = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
             states[kind] = [c.own for c in eng.scheduler.segments._corrections.values()]
             assert outs[kind].usage.recomputed_tokens > 0
-            if kind == "default":               # the same reuse, uncorrected
+            if kind == "int8":               # the same reuse, uncorrected
                 outs["naive"] = await eng.generate(prompt("coder", history), agent="c-naive", sampling=FIRST,
                                                    reuse_options=ReuseOptions(reuse="naive"))
                 assert outs["naive"].usage.reused_tokens == outs[kind].usage.reused_tokens
@@ -287,7 +288,7 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
         assert all(s.first_layer == UNCORRECTED_LAYERS == 1 and s.uk.shape[0] == layers - 1 for s in held), kind
     dtypes = {k: ({s.uk.dtype for s in v}, {None if s.bk is None else s.bk.dtype for s in v}, {s.uv.dtype for s in v},
                   {None if s.bv is None else s.bv.dtype for s in v}) for k, v in states.items()}
-    assert dtypes["default"] == ({torch.int8}, {torch.bfloat16}, {torch.int8}, {torch.bfloat16})
+    assert dtypes["int8"] == ({torch.int8}, {torch.bfloat16}, {torch.int8}, {torch.bfloat16})
     assert dtypes["value_rows"] == ({torch.int8}, {torch.bfloat16}, {torch.uint8}, {None})
     assert dtypes["key_rows"] == ({torch.uint8}, {None}, {torch.uint8}, {None})
     assert dtypes["int8_basis"] == dtypes["lean"] == ({torch.int8}, {torch.int8}, {torch.int8}, {torch.int8})
@@ -296,16 +297,16 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     assert dtypes["bfloat16"][0] == {torch.bfloat16} and dtypes["float32"][0] == {torch.float32}
     assert dtypes["small_rows"] == ({torch.int8}, {None}, {torch.int8}, {None})
     assert all(s.rk is not None and s.ck is not None and s.rv is not None for s in states["small_rows"])
-    assert sum(s.num_rows for s in states["small_rows"]) == sum(s.num_rows for s in states["default"]) < 192
-    u_bytes = {d: sum(s.uk.nbytes + s.uv.nbytes for s in states[d]) for d in ("default", "bfloat16", "float32")}
-    assert u_bytes["default"] * 4 == u_bytes["bfloat16"] * 2 == u_bytes["float32"]
+    assert sum(s.num_rows for s in states["small_rows"]) == sum(s.num_rows for s in states["int8"]) < 192
+    u_bytes = {d: sum(s.uk.nbytes + s.uv.nbytes for s in states[d]) for d in ("int8", "bfloat16", "float32")}
+    assert u_bytes["int8"] * 4 == u_bytes["bfloat16"] * 2 == u_bytes["float32"]
     b_bytes = {d: unique_nbytes(states[d], bases_only=True) for d in states}
-    assert b_bytes["default"] == b_bytes["bfloat16"] == 2 * b_bytes["value_rows"]      # no B_v with value rows
+    assert b_bytes["int8"] == b_bytes["bfloat16"] == 2 * b_bytes["value_rows"]      # no B_v with value rows
     assert b_bytes["bfloat16"] * 2 == b_bytes["float32"] and b_bytes["int8_basis"] < 0.3 * b_bytes["float32"]
     total = {d: unique_nbytes(states[d]) for d in states}
-    assert total["key_rows"] < 0.85 * total["value_rows"] < 0.85 ** 2 * total["default"]
-    assert total["small_rows"] < total["default"]
-    assert total["lean"] < total["int8_basis"] < total["default"]
+    assert total["key_rows"] < 0.85 * total["value_rows"] < 0.85 ** 2 * total["int8"]
+    assert total["small_rows"] < total["int8"]
+    assert total["lean"] < total["int8_basis"] < total["int8"]
     exact = await engine.generate(prompt("coder", history), agent="c-exact", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="none"))
     off = {k: kl(exact.logits[0], o.logits[0]) for k, o in outs.items()}
