@@ -203,8 +203,7 @@ class Engine:
         if not isinstance(agent, str) or not agent:
             raise InvalidRequestError("agent must be a non-empty string")
         messages = [{"role": "system", "content": system}] if isinstance(system, str) else system
-        if not isinstance(messages, (list, tuple)) or not messages or any(
-                not isinstance(m, dict) or m.get("role") not in ("system", "developer") for m in messages):
+        if any(m["role"] != "system" for m in self.formatter.normalize(messages)):
             raise InvalidRequestError("system must be a string or a non-empty list of system messages")
         if self.config.reuse == "none":
             return 0
