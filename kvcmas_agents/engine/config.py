@@ -13,7 +13,8 @@ PRIVATE_COPY_MODES: tuple[str, ...] = ("cacheblend", "kvcomm")
 REFERENCES: tuple[str, ...] = ("home", "chain")
 BASES: tuple[str, ...] = ("request", "segment")
 CORRECTION_DTYPES: tuple[str, ...] = ("int8", "int8_basis", "bfloat16", "float16", "float32", "kv")
-VALUE_BITS: tuple[int, ...] = (0, 4, 8)
+VALUE_BITS: tuple[int, ...] = (0, 4, 6, 8)
+SMALL_ROW_BITS: tuple[int, ...] = (4, 6, 8)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 VIEW_PATHS: tuple[str, ...] = ("auto", "gather", "query", "triton")
 
@@ -74,12 +75,12 @@ class EngineConfig:
         this storage (agreement 0.896); declared, that turn's corrections run ahead of time and it
         holds (README, "Declared agents").
     value_bits: 0 (default) factors the values like the keys (rank-``rank`` SVD in correction_dtype);
-        4 or 8 keeps the values full rank instead: each recomputed row's value deviation is stored as
+        4, 6 or 8 keeps the values full rank instead: each recomputed row's value deviation is stored as
         it is, quantized per row to that many bits with one bf16 scale per row and KV head (no SVD, no
         B_v). On the bench pipeline 4 cuts correction bytes 67.7 -> 52.7 MiB (peak 144.3 -> 129.4 MiB)
         at about the same KL, but over 38 bench turns one more greedy near-tie (0.082 top-2 gap) broke,
         which makes the fidelity harness's debate agreement 0.896; see README, "Correction storage".
-    key_bits: 0 (default) factors the keys (rank-``rank`` SVD); 4 or 8 keeps them full rank as rows
+    key_bits: 0 (default) factors the keys (rank-``rank`` SVD); 4, 6 or 8 keeps them full rank as rows
         quantized to that many bits, each channel first divided by its RMS over the rows (one bf16 scale
         per channel, layer and KV head, shared by a request's states) and each row then by its own
         bf16 scale. Without the channel scales, 4-bit key rows cost fidelity: keys carry a few large
@@ -94,6 +95,11 @@ class EngineConfig:
         64, a request that corrects fewer than about 190 rows, typically only its newest reply. On the
         bench pipeline's 14 such requests (dev capture) that is 20.1 -> 16.4 MiB, with 0.003% of the
         deviations' energy lost instead of 1.7% (keys) and 2.6% (values) by their SVD. False always factors.
+    small_row_bits: code bits of the rows small_rows keeps (which corrections are rows is still decided
+        against 8-bit rows). The default 6 packs four codes in three bytes: a row takes 50 bytes per
+        KV head and side instead of 66, for 0.05% (keys) and 0.06% (values) of the deviations' energy
+        lost instead of 0.003% on the bench pipeline's small corrections (dev capture), still twenty
+        times less than the factored corrections' SVD loses. 8 is the storage before it.
     correction_energy: share of a correcting request's squared deviation (summed over K and V, layers
         and heads) that its stored corrections keep: recomputed rows are stored strongest first until
         they hold it, and the faint rest revert to the reference; stats()["correction_rows_dropped"]
@@ -139,6 +145,7 @@ class EngineConfig:
     value_bits: int = 0
     key_bits: int = 0
     small_rows: bool = True
+    small_row_bits: int = 6
     u8_components: int | None = 28
     correction_energy: float = 1.0
     # attention over corrected views: "auto" (Triton kernel on CUDA, else "gather"), "gather" (torch,
@@ -170,6 +177,8 @@ class EngineConfig:
             raise ValueError(f"u8_components must be None or an int >= 0, got {self.u8_components!r}")
         if not isinstance(self.small_rows, bool):
             raise ValueError(f"small_rows must be a bool, got {self.small_rows!r}")
+        if self.small_row_bits not in SMALL_ROW_BITS or isinstance(self.small_row_bits, bool):
+            raise ValueError(f"small_row_bits must be one of {SMALL_ROW_BITS}, got {self.small_row_bits!r}")
         for name in ("value_bits", "key_bits"):
             bits = getattr(self, name)
             if bits not in VALUE_BITS or isinstance(bits, bool):

@@ -55,7 +55,8 @@ class Corrector:
         self.int8_basis = False        # correction_dtype "int8_basis": B in int8 too
         self.value_bits = 0            # EngineConfig.value_bits: value rows kept full rank, quantized per row
         self.key_bits = 0              # EngineConfig.key_bits: key rows so too, after per-channel scales
-        self.small_rows = True         # EngineConfig.small_rows: 8-bit rows where factors would be larger
+        self.small_rows = True         # EngineConfig.small_rows: rows where 8-bit rows beat the factors
+        self.small_bits = 8            # EngineConfig.small_row_bits: those rows' code bits
         self.u8: int | None = None     # EngineConfig.u8_components: U's components kept at 8 bits
         self.newest_whole = True       # EngineConfig.recompute_newest
         self.keep_energy = 1.0         # EngineConfig.correction_energy
@@ -326,9 +327,10 @@ class Corrector:
         first = 0 if full else min(UNCORRECTED_LAYERS, m.args.num_layers - 1)
         if self.joint_basis and len(pending) > 1 and not full:
             states = compress_joint(dk, dv, rows_of, rank, dtype, self.int8_basis, vbits, kbits, first,
-                                    self.small_rows, self.u8)
+                                    self.small_rows, self.u8, self.small_bits)
         else:
-            states = [compress(k, v, r, rank, dtype, self.int8_basis, vbits, kbits, first, self.small_rows, self.u8)
+            states = [compress(k, v, r, rank, dtype, self.int8_basis, vbits, kbits, first, self.small_rows, self.u8,
+                               self.small_bits)
                       for k, v, r in zip(dk, dv, rows_of)]
         for p, state in zip(pending, states):
             self._store(req, p, state, sel[id(p)].numel())     # recomputed, whether stored or not

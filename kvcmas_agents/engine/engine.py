@@ -87,6 +87,7 @@ class Engine:
         self.corrector.value_bits = self.config.value_bits
         self.corrector.key_bits = self.config.key_bits
         self.corrector.small_rows = self.config.small_rows
+        self.corrector.small_bits = self.config.small_row_bits
         self.corrector.u8 = self.config.u8_components
         self.prefetcher = (Prefetcher(self.scheduler, self.corrector, self.successors, self.config.prefetch_ratio)
                            if self.config.prefetch else None)
@@ -261,6 +262,7 @@ class Engine:
             "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent, "home_views_evicted": seg.evicted,
             "correction_dtype": self.config.correction_dtype, "value_bits": self.config.value_bits,
             "key_bits": self.config.key_bits, "small_rows": self.config.small_rows,
+            "small_row_bits": self.config.small_row_bits,
             "u8_components": self.config.u8_components, "num_threads": self.num_threads,
             "correction_energy": self.config.correction_energy,
             "correction_rows_dropped": self.corrector.rows_dropped,

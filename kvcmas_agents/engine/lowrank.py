@@ -8,8 +8,8 @@ For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per 
   least of the deviation, are 4-bit codes packed two to a byte at the end of U (``tk``/``tv`` count
   them); or
 - full rank (``compress(value_bits=...)`` for the values, ``key_bits=...`` for the keys, and with
-  ``small_rows`` any int8 side whose factors would be larger, as 8-bit rows): U is the
-  deviation rows themselves, quantized per row to 4 or 8 bits with one bf16 scale per row and head
+  ``small_rows`` any int8 side whose factors would be larger, as ``small_bits`` rows): U is the
+  deviation rows themselves, quantized per row to 4, 6 or 8 bits with one bf16 scale per row and head
   (``rk``/``rv``), key rows after dividing by one bf16 scale per channel (``ck``), and B is the
   identity (not stored).
 Readers get U through ``Coeffs`` and B through ``Basis``, which dequantize them and, for keys, apply
@@ -24,8 +24,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from .quant_rows import (channel_scale, dequantize_rows, normalized, pack_nibbles, quantize_rows, row_width,
-                         unpack_nibbles)
+from .quant_rows import (BITS, channel_scale, code_bits, dequantize_rows, normalized, pack_nibbles, quantize_rows,
+                         row_width, unpack_nibbles)
 from .rope import rotate
 
 
@@ -38,7 +38,7 @@ class LowRankDelta:
     ``Realigner.rotate_delta``), applied when read, so a moved state shares its tensors instead of
     holding a rotated copy. ``sk``/``sv`` [L, KVH, r, 1] are the per-component scales of int8 B factors.
     ``rk``/``rv`` [L, KVH, R, 1] are the per-row scales of a full-rank side's quantized rows (U int8,
-    or uint8 with two 4-bit codes per byte); its B factor is None: the identity. ``ck``/``cv``
+    or uint8 packing 6- or 4-bit codes, ``qk``/``qv`` bits each); its B factor is None: the identity. ``ck``/``cv``
     [L, KVH, 1, D] are optional per-channel scales of such rows (shared by the states of a joint basis).
     ``tk``/``tv`` count an int8 U's trailing components stored as 4-bit codes: U's last ``tk // 2``
     columns hold them, two to a byte (so U [L, KVH, R, r - tk // 2]).
@@ -61,21 +61,30 @@ class LowRankDelta:
     first_layer: int = 0
     tk: int = 0
     tv: int = 0
+    qk: int = 0                 # bits of quantized key rows (0 with rk: what the codes' dtype says)
+    qv: int = 0
 
     def __post_init__(self) -> None:
         if self.first_layer < 0:
             raise ValueError(f"first_layer must be >= 0, got {self.first_layer}")
+        for name, u, r in (("qk", self.uk, self.rk), ("qv", self.uv, self.rv)):
+            bits = getattr(self, name)
+            if r is None and bits:
+                raise ValueError(f"{name}={bits}: only quantized rows (with row scales) have code bits")
+            if r is not None:
+                setattr(self, name, code_bits(u, bits))
         layers, heads, nrows, _ = self.uk.shape
         if self.rows.shape != (nrows,) or self.uv.shape[:3] != (layers, heads, nrows):
             raise ValueError(f"rows {tuple(self.rows.shape)} do not match factors {tuple(self.uk.shape)}")
-        for u, b, r, c, t in ((self.uk, self.bk, self.rk, self.ck, self.tk), (self.uv, self.bv, self.rv, self.cv, self.tv)):
+        for u, b, r, c, t, q in ((self.uk, self.bk, self.rk, self.ck, self.tk, self.qk),
+                                 (self.uv, self.bv, self.rv, self.cv, self.tv, self.qv)):
             if r is None and (u.dtype == torch.uint8 or b is None):
                 raise ValueError("a low-rank state needs B factors (only quantized rows with row scales have none)")
             if r is not None and (u.dtype not in (torch.int8, torch.uint8) or r.shape != (*u.shape[:3], 1)):
-                raise ValueError("quantized rows are int8 or uint8 (4-bit) with row scales [L, KVH, R, 1]")
+                raise ValueError("quantized rows are int8 or uint8 (4- or 6-bit) with row scales [L, KVH, R, 1]")
             if t and (t < 0 or t % 2 or r is not None or u.dtype != torch.int8 or t // 2 > u.shape[3]):
                 raise ValueError(f"4-bit components come in pairs at the end of an int8 U factor, got {t}")
-            rank = row_width(u) if r is not None else u.shape[3] + t // 2
+            rank = row_width(u, q) if r is not None else u.shape[3] + t // 2
             if c is not None and (r is None or c.shape != (layers, heads, 1, rank)):
                 raise ValueError("channel scales [L, KVH, 1, D] belong to quantized rows only")
             if b is not None and b.shape[:3] != (layers, heads, rank):
@@ -125,25 +134,25 @@ class LowRankDelta:
 
     def key_coeffs(self) -> "Coeffs":
         """U_k as readers need it (dequantized when read)."""
-        return Coeffs(self.uk, self.rk, self.ck, self.first_layer, self.tk)
+        return Coeffs(self.uk, self.rk, self.ck, self.first_layer, self.tk, self.qk)
 
     def value_coeffs(self) -> "Coeffs":
-        return Coeffs(self.uv, self.rv, self.cv, self.first_layer, self.tv)
+        return Coeffs(self.uv, self.rv, self.cv, self.first_layer, self.tv, self.qv)
 
     def key_basis(self, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Basis":
         """B_k as readers need it; ``cos_sin`` rotates it by ``shift`` (``Realigner.key_basis`` passes it)."""
         if self.shift and cos_sin is None:
             raise ValueError(f"this state's keys still owe a rotation by {self.shift}: read them through "
                              "Realigner.key_basis")
-        return Basis(self._basis(self.bk, self.uk), self.sk, *(cos_sin if self.shift else (None, None)),
+        return Basis(self._basis(self.bk, self.uk, self.qk), self.sk, *(cos_sin if self.shift else (None, None)),
                      identity=self.bk is None, first=self.first_layer)
 
     def value_basis(self) -> "Basis":
-        return Basis(self._basis(self.bv, self.uv), self.sv, identity=self.bv is None, first=self.first_layer)
+        return Basis(self._basis(self.bv, self.uv, self.qv), self.sv, identity=self.bv is None, first=self.first_layer)
 
     @staticmethod
-    def _basis(b: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
-        return b if b is not None else _eye(*u.shape[:2], row_width(u), u.device)
+    def _basis(b: torch.Tensor | None, u: torch.Tensor, bits: int) -> torch.Tensor:
+        return b if b is not None else _eye(*u.shape[:2], row_width(u, bits), u.device)
 
     def dense(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Reconstructed deviations (dk, dv), each [KVH, R, D] in fp32, for one layer (shift 0 only)."""
@@ -154,7 +163,7 @@ class LowRankDelta:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return LowRankDelta(*(move(t) for t in (self.rows, self.uk, self.bk, self.uv, self.bv, self.sk, self.sv)),
                             shift=self.shift, rk=move(self.rk), rv=move(self.rv), ck=move(self.ck), cv=move(self.cv),
-                            first_layer=self.first_layer, tk=self.tk, tv=self.tv)
+                            first_layer=self.first_layer, tk=self.tk, tv=self.tv, qk=self.qk, qv=self.qv)
 
 
 @lru_cache(maxsize=16)
@@ -179,23 +188,25 @@ def _layer_of(first: int, layer: int | slice, read: Callable[[int | slice], torc
 @dataclass(frozen=True)
 class Coeffs:
     """A U factor [L, KVH, R, r] as read: plain (its last ``tail`` components 4-bit codes packed in
-    its last ``tail // 2`` columns), or quantized rows dequantized by their row ``scale`` (and, if
-    given, their ``channel`` scales [L, KVH, 1, D]); layers before ``first`` read as zeros."""
+    its last ``tail // 2`` columns), or quantized rows of ``codes`` bits dequantized by their row
+    ``scale`` (and, if given, their ``channel`` scales [L, KVH, 1, D]); layers before ``first`` read
+    as zeros."""
 
     u: torch.Tensor
     scale: torch.Tensor | None = None
     channel: torch.Tensor | None = None
     first: int = 0
     tail: int = 0
+    codes: int = 0
 
     @property
     def rank(self) -> int:
-        return row_width(self.u) if self.scale is not None else self.u.shape[-1] + self.tail // 2
+        return row_width(self.u, self.codes) if self.scale is not None else self.u.shape[-1] + self.tail // 2
 
     @property
     def bits(self) -> int:
-        """Bits per code of quantized rows (4 or 8); 0 for factors."""
-        return 0 if self.scale is None else (4 if self.u.dtype == torch.uint8 else 8)
+        """Bits per code of quantized rows (4, 6 or 8); 0 for factors."""
+        return 0 if self.scale is None else code_bits(self.u, self.codes)
 
     @property
     def num_rows(self) -> int:
@@ -214,11 +225,11 @@ class Coeffs:
         i = layer - first
         if all(u.scale is None and u.tail == us[0].tail for u in us):
             return _plain(torch.cat([u.u[i] for u in us], dim=1), us[0].tail, dtype)
-        if all(u.scale is not None and u.u.dtype == us[0].u.dtype for u in us):
+        if all(u.scale is not None and u.bits == us[0].bits for u in us):
             # quantized rows (small corrections, or key_bits/value_bits): one dequantization, then
             # each state's channel scales over its own rows
             rows = dequantize_rows(torch.cat([u.u[i] for u in us], dim=1), torch.cat([u.scale[i] for u in us], dim=1),
-                                   dtype)
+                                   dtype, us[0].bits)
             if any(u.channel is not None for u in us):
                 rows.mul_(torch.cat([(u.channel[i] if u.channel is not None else rows.new_ones(1, 1, 1))
                                      .to(dtype).expand(rows.shape[0], u.num_rows, rows.shape[2]) for u in us], dim=1))
@@ -233,7 +244,7 @@ class Coeffs:
     def _stored(self, layer: int | slice, dtype: torch.dtype) -> torch.Tensor:
         if self.scale is None:
             return _plain(self.u[layer], self.tail, dtype)
-        rows = dequantize_rows(self.u[layer], self.scale[layer], dtype)
+        rows = dequantize_rows(self.u[layer], self.scale[layer], dtype, self.codes)
         return rows if self.channel is None else rows.mul_(self.channel[layer].to(dtype))
 
 
@@ -339,18 +350,18 @@ def _quantized(u: torch.Tensor, b: torch.Tensor, int8_basis: bool,
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
              dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
              key_bits: int = 0, first_layer: int = 0, small_rows: bool = False,
-             u8: int | None = None) -> LowRankDelta:
+             u8: int | None = None, small_bits: int = 8) -> LowRankDelta:
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
     Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
     factors are stored in ``dtype`` (default: dk's dtype). ``torch.int8`` stores U quantized per
     component with B in bf16, or B in int8 too with ``int8_basis`` (see ``_quantized``). With
-    ``value_bits`` (4 or 8) only the keys are factored: the value rows are kept full rank, quantized
+    ``value_bits`` (4, 6 or 8) only the keys are factored: the value rows are kept full rank, quantized
     per row to that many bits with one bf16 scale per row and head, and B_v is the identity. With
     ``key_bits`` the key rows are kept so too, each channel divided first by its scale over the rows
     (``quant_rows.channel_scale``); no SVD runs for a side kept as rows. With ``small_rows`` and int8
     factors, a factored side whose factors would take more bytes than its rows as 8-bit rows keeps
-    those rows instead (``rows_are_smaller``). With int8 factors and ``u8``, U's components past the
+    those rows instead (``rows_are_smaller``), quantized to ``small_bits``. With int8 factors and ``u8``, U's components past the
     first ``u8`` are stored as 4-bit codes (``_quantized``). Layers before ``first_layer`` are dropped:
     the state corrects nothing there.
     """
@@ -367,16 +378,20 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     dtype = dtype or dk.dtype
     rows = rows.to(device=dk.device, dtype=torch.long)
     small = small_rows and dtype == torch.int8
+    if small and small_bits not in BITS:
+        raise ValueError(f"small_bits must be one of {BITS}, got {small_bits!r}")
     if small and not key_bits and rows_are_smaller(dk.shape[2], dk.shape[3], rank, channels=True):
-        key_bits = SMALL_ROW_BITS
+        key_bits = small_bits
     if small and not value_bits and rows_are_smaller(dv.shape[2], dv.shape[3], rank, channels=False):
-        value_bits = SMALL_ROW_BITS
+        value_bits = small_bits
     uk, bk, sk, rk, ck, tk = _side(dk[first_layer:], rank, dtype, int8_basis, key_bits, u8, channels=True)
     uv, bv, sv, rv, cv, tv = _side(dv[first_layer:], rank, dtype, int8_basis, value_bits, u8, channels=False)
     return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck, cv=cv, first_layer=first_layer,
-                        tk=tk, tv=tv)
+                        tk=tk, tv=tv, qk=key_bits if rk is not None else 0, qv=value_bits if rv is not None else 0)
 
 
+# The yardstick of rows_are_smaller, whatever bits the rows it picks are then stored in (small_bits):
+# the choice of which corrections are rows was measured for fidelity at this size.
 SMALL_ROW_BITS = 8
 
 
@@ -416,7 +431,7 @@ def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool,
 def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
                    dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
                    key_bits: int = 0, first_layer: int = 0, small_rows: bool = False,
-                   u8: int | None = None) -> list[LowRankDelta]:
+                   u8: int | None = None, small_bits: int = 8) -> list[LowRankDelta]:
     """Compress several segments' deviations (each [L, KVH, R_i, D]) against one shared basis.
 
     The segments an agent corrects in one request deviate for the same reason (its own prefix), so
@@ -428,7 +443,7 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
         raise ValueError("compress_joint needs one dk, dv and rows per segment")
     dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
     joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype, int8_basis,
-                     value_bits, key_bits, first_layer, small_rows, u8)   # split below
+                     value_bits, key_bits, first_layer, small_rows, u8, small_bits)   # split below
     out, offset = [], 0
     for r in rows:
         n = r.numel()

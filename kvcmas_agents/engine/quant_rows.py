@@ -1,15 +1,18 @@
 """Deviation rows quantized per row: the storage of full-rank correction states (no SVD, no basis).
 
 Each (layer, KV head, row) of a deviation [L, KVH, R, D] keeps one bf16 scale (its largest magnitude
-maps to the top code) and D codes: int8 for 8 bits, or two 4-bit codes per byte for 4 bits (dims
-[0, D/2) in the low nibble, [D/2, D) in the high one, each offset by 8 so that it is unsigned).
-Key rows are first divided by one scale per channel (``channel_scale``), shared by all the rows.
+maps to the top code) and D codes: int8 for 8 bits; for 6 bits, four codes in three bytes (uint8
+[..., 3D/4]: dims of the first three quarters in the low six bits of one byte each, the last quarter's
+code split over those bytes' top two bits); for 4 bits, two codes per byte (uint8 [..., D/2]: dims
+[0, D/2) in the low nibble, [D/2, D) in the high one). Packed codes are offset to be unsigned. Both
+packed widths are uint8, so readers pass ``bits`` (the states record it). Key rows are first divided
+by one scale per channel (``channel_scale``), shared by all the rows.
 """
 from __future__ import annotations
 
 import torch
 
-BITS: tuple[int, ...] = (4, 8)
+BITS: tuple[int, ...] = (4, 6, 8)
 
 
 def _top(bits: int) -> int:
@@ -19,7 +22,8 @@ def _top(bits: int) -> int:
 
 
 def quantize_rows(d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """d [..., R, D] -> (codes, scale [..., R, 1] bf16); codes int8 [..., R, D] or uint8 [..., R, D/2]."""
+    """d [..., R, D] -> (codes, scale [..., R, 1] bf16); codes int8 [..., R, D] (8 bits), or uint8
+    [..., R, 3D/4] (6 bits) or [..., R, D/2] (4 bits)."""
     top = _top(bits)
     x = d.float()
     scale = (x.abs().amax(-1, keepdim=True) / top).to(torch.bfloat16)
@@ -27,12 +31,25 @@ def quantize_rows(d: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     q = torch.round(x / safe).clamp_(-top, top)
     if bits == 8:
         return q.to(torch.int8), scale
-    return pack_nibbles(q), scale
+    return (pack_sixes(q) if bits == 6 else pack_nibbles(q)), scale
 
 
-def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The rows back in ``dtype`` [..., R, D] from ``quantize_rows``'s codes and scale."""
-    codes = unpack_nibbles(codes, dtype) if codes.dtype == torch.uint8 else codes.to(dtype)
+def code_bits(codes: torch.Tensor, bits: int | None = None) -> int:
+    """Bits per code of quantized rows: ``bits`` if given, else what the dtype says (int8: 8; uint8: 4,
+    the packed width that predates 6-bit codes)."""
+    if bits:
+        if bits not in BITS or (bits == 8) != (codes.dtype == torch.int8):
+            raise ValueError(f"{bits}-bit rows cannot be {codes.dtype} codes")
+        return bits
+    return 8 if codes.dtype == torch.int8 else 4
+
+
+def dequantize_rows(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+                    bits: int | None = None) -> torch.Tensor:
+    """The rows back in ``dtype`` [..., R, D] from ``quantize_rows``'s codes and scale (``bits`` as
+    ``code_bits`` takes it)."""
+    bits = code_bits(codes, bits)
+    codes = codes.to(dtype) if bits == 8 else (unpack_sixes if bits == 6 else unpack_nibbles)(codes, dtype)
     return codes.mul_(scale.to(dtype))
 
 
@@ -51,6 +68,25 @@ def unpack_nibbles(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> t
     return torch.cat([codes & 15, codes >> 4], dim=-1).to(dtype).sub_(8)
 
 
+def pack_sixes(q: torch.Tensor) -> torch.Tensor:
+    """Integer-valued codes in [-31, 31], [..., W] with W divisible by 4 -> uint8 [..., 3W/4]: column
+    j of quarter 0, 1, 2 is the low six bits of byte j, W/4 + j, W/2 + j; column j of quarter 3 goes
+    two bits at a time into those three bytes' top bits (low bits first). Codes are offset by 32 so
+    that they are unsigned."""
+    if q.shape[-1] % 4:
+        raise ValueError(f"6-bit codes need a width divisible by 4, got {q.shape[-1]}")
+    u = (q + 32).to(torch.uint8)
+    a, b, c, d = u.chunk(4, dim=-1)
+    return torch.cat([a | (d & 3) << 6, b | (d >> 2 & 3) << 6, c | (d >> 4) << 6], dim=-1)
+
+
+def unpack_sixes(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``pack_sixes`` undone: uint8 [..., 3W/4] -> codes [..., W] in ``dtype``."""
+    a, b, c = codes.chunk(3, dim=-1)
+    d = a >> 6 | (b >> 6) << 2 | (c >> 6) << 4
+    return torch.cat([a & 63, b & 63, c & 63, d], dim=-1).to(dtype).sub_(32)
+
+
 def channel_scale(d: torch.Tensor) -> torch.Tensor:
     """One bf16 scale per channel of rows d [..., R, D]: the channel's RMS over the rows, [..., 1, D].
 
@@ -67,6 +103,7 @@ def normalized(d: torch.Tensor, channel: torch.Tensor) -> torch.Tensor:
     return d.float() / channel.float().clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def row_width(codes: torch.Tensor) -> int:
-    """Width D of the rows these codes hold."""
-    return codes.shape[-1] * (2 if codes.dtype == torch.uint8 else 1)
+def row_width(codes: torch.Tensor, bits: int | None = None) -> int:
+    """Width D of the rows these codes hold (``bits`` as ``code_bits`` takes it)."""
+    w = codes.shape[-1]
+    return {8: w, 6: w * 4 // 3, 4: w * 2}[code_bits(codes, bits)]

@@ -253,8 +253,9 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     keeps the values as 4-bit rows instead (one bf16 scale per row, no B_v), key_bits=4 the keys too
     (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too, and the default
     u8_components=28 with it stores U's last 12 components as 4-bit codes ("lean", the default
-    storage). The default small_rows keeps this small correction's rows in 8 bits, in fewer bytes than
-    its factors. Each stays far closer to exact than the same reuse uncorrected."""
+    storage). The default small_rows keeps this small correction's rows, in fewer bytes than its
+    factors: in 6 bits (default small_row_bits), three quarters of the 8-bit rows' bytes. Each stays far
+    closer to exact than the same reuse uncorrected."""
     history = await conversation(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
@@ -264,12 +265,17 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
              "key_rows": {"key_bits": 4, "value_bits": 4, **int8},
              "int8_basis": {"correction_dtype": "int8_basis", "u8_components": None, **factors},
              "lean": factors, "bfloat16": {"correction_dtype": "bfloat16"},
-             "float32": {"correction_dtype": "float32"}, "small_rows": int8}
+             "float32": {"correction_dtype": "float32"}, "small_rows": {**int8, "small_row_bits": 8},
+             "small_rows6": int8}
     assert (EngineConfig().correction_dtype, EngineConfig().value_bits, EngineConfig().key_bits,
-            EngineConfig().small_rows, EngineConfig().u8_components) == ("int8_basis", 0, 0, True, 28)
+            EngineConfig().small_rows, EngineConfig().small_row_bits,
+            EngineConfig().u8_components) == ("int8_basis", 0, 0, True, 6, 28)
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="u8_components"):
             EngineConfig(u8_components=bad)
+    for bad in (0, 5, 7, True):
+        with pytest.raises(ValueError, match="small_row_bits"):
+            EngineConfig(small_row_bits=bad)
     for kind, knobs in kinds.items():
         eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, **knobs))
         try:
@@ -298,6 +304,10 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     assert dtypes["small_rows"] == ({torch.int8}, {None}, {torch.int8}, {None})
     assert all(s.rk is not None and s.ck is not None and s.rv is not None for s in states["small_rows"])
     assert sum(s.num_rows for s in states["small_rows"]) == sum(s.num_rows for s in states["int8"]) < 192
+    assert dtypes["small_rows6"] == ({torch.uint8}, {None}, {torch.uint8}, {None})
+    assert all(s.qk == s.qv == 6 and s.ck is not None for s in states["small_rows6"])
+    assert all(s.qk == s.qv == 8 for s in states["small_rows"])
+    assert [s.rows.tolist() for s in states["small_rows6"]] == [s.rows.tolist() for s in states["small_rows"]]
     u_bytes = {d: sum(s.uk.nbytes + s.uv.nbytes for s in states[d]) for d in ("int8", "bfloat16", "float32")}
     assert u_bytes["int8"] * 4 == u_bytes["bfloat16"] * 2 == u_bytes["float32"]
     b_bytes = {d: unique_nbytes(states[d], bases_only=True) for d in states}
@@ -306,6 +316,7 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     total = {d: unique_nbytes(states[d]) for d in states}
     assert total["key_rows"] < 0.85 * total["value_rows"] < 0.85 ** 2 * total["int8"]
     assert total["small_rows"] < total["int8"]
+    assert 0.7 * total["small_rows"] < total["small_rows6"] < 0.8 * total["small_rows"]
     assert total["lean"] < total["int8_basis"] < total["int8"]
     exact = await engine.generate(prompt("coder", history), agent="c-exact", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="none"))
