@@ -102,8 +102,11 @@ def test_storage_options_become_engine_config_fields():
     assert storage_of(parser.parse_args(["--correction-dtype", "int8_basis", "--u8-components", "28"])) == {
         "correction_dtype": "int8_basis", "u8_components": 28}
     assert storage_of(parser.parse_args(["--u8-components", "all"])) == {"u8_components": None}
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--u8-components", "many"])
+    assert storage_of(parser.parse_args(["--small-row-bits", "8"])) == {"small_row_bits": 8}
+    assert parser.parse_args(["--value-bits", "6", "--key-bits", "6"]).value_bits == 6
+    for bad in (["--u8-components", "many"], ["--small-row-bits", "5"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
 
 
 def test_no_declare_option():
@@ -124,7 +127,7 @@ async def test_tiny_end_to_end_run(tmp_path):
                                 knobs=ReuseOptions(recompute_ratio=0.3, rank=16),
                                 sweep=SweepGrid("mini", ratios=(0.3, 1.0), ranks=(16,), eval_tokens=4),
                                 device="cpu", log=lambda msg: None, prefetch_ratio=0.8,
-                                storage={"correction_dtype": "int8_basis", "u8_components": 8})
+                                storage={"correction_dtype": "int8_basis", "u8_components": 8, "small_row_bits": 8})
     # Engines got the caller's thread count, and the caller's own count is back after the run.
     assert result["config"]["torch_threads"] == threads == torch.get_num_threads()
     assert result["config"]["device_used"] == "cpu" and result["config"]["dtype"] == "float32"
@@ -144,6 +147,7 @@ async def test_tiny_end_to_end_run(tmp_path):
     assert entry["modes"]["kvcmas"]["stats"]["prefetch_ratio"] == 0.8
     assert data["config"]["u8_components"] == entry["modes"]["kvcmas"]["stats"]["u8_components"] == 8
     assert entry["modes"]["kvcmas"]["stats"]["correction_dtype"] == "int8_basis"
+    assert data["config"]["small_row_bits"] == entry["modes"]["kvcmas"]["stats"]["small_row_bits"] == 8
     # Every replay's engine had the agents' system prompts declared first (as the adapters do).
     assert data["config"]["declare"] is True
     assert all(entry["modes"][m]["stats"]["declared"] == len(mini.systems) for m in ("prefix", "naive", "kvcmas"))

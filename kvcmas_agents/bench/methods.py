@@ -21,13 +21,14 @@ class Method:
     value_bits: int | None = None
     key_bits: int | None = None
     small_rows: bool | None = None
+    small_row_bits: int | None = None
     correction_dtype: str | None = None
     u8_components: int | str | None = None
 
     def _knobs(self) -> dict:
         return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio",
-                                              "value_bits", "key_bits", "small_rows", "correction_dtype",
-                                              "u8_components") if getattr(self, k) is not None}
+                                              "value_bits", "key_bits", "small_rows", "small_row_bits",
+                                              "correction_dtype", "u8_components") if getattr(self, k) is not None}
 
     def config(self, model: str | None, device: str, **extra) -> EngineConfig:
         knobs = self._knobs()
@@ -39,7 +40,7 @@ class Method:
     def label(self) -> str:
         short = {"recompute_ratio": "r", "rank": "k", "reference": "ref", "prefetch": "prefetch",
                  "prefetch_ratio": "pr", "value_bits": "vbits", "key_bits": "kbits",
-                 "small_rows": "rows", "correction_dtype": "dtype", "u8_components": "u8"}
+                 "small_rows": "rows", "small_row_bits": "rbits", "correction_dtype": "dtype", "u8_components": "u8"}
         knobs = self._knobs()
         if not knobs:
             return self.name
@@ -61,6 +62,8 @@ METHODS: dict[str, Method] = {
     "kvcmas-k8v4": Method("kvcmas-k8v4", "kvcmas", value_bits=4, key_bits=8),
     # ours with keys and values as 4-bit rows (EngineConfig.key_bits, value_bits): no SVD at all
     "kvcmas-kv4": Method("kvcmas-kv4", "kvcmas", value_bits=4, key_bits=4),
+    # ours with small corrections' rows in 8 bits (EngineConfig.small_row_bits), the storage before 6-bit rows
+    "kvcmas-rows8": Method("kvcmas-rows8", "kvcmas", small_row_bits=8),
     # ours with the storage defaults before 4-bit tails: U all in int8, B in bf16 (the comparison)
     "kvcmas-int8": Method("kvcmas-int8", "kvcmas", correction_dtype="int8", u8_components="all"),
 }

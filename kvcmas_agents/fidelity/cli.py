@@ -5,7 +5,7 @@ import argparse
 import asyncio
 
 from ..engine import ReuseOptions
-from ..engine.config import CORRECTION_DTYPES, REFERENCES, REUSE_MODES
+from ..engine.config import CORRECTION_DTYPES, REFERENCES, REUSE_MODES, SMALL_ROW_BITS, VALUE_BITS
 from .harness import SweepGrid, run_fidelity
 from .report import history_table, summary_table, sweep_table, write_report
 from .scenarios import DEFAULT_SCENARIOS, SCENARIOS, get_scenario
@@ -29,12 +29,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-ratio", type=float, default=None, help="kvcmas knob (engine default)")
     parser.add_argument("--rank", type=int, default=None, help="kvcmas knob (engine default)")
     parser.add_argument("--reference", choices=REFERENCES, default=None, help="kvcmas knob (engine default)")
-    parser.add_argument("--value-bits", type=int, choices=(0, 4, 8), default=0,
-                        help="EngineConfig.value_bits: 0 factors the values (default), 4/8 keeps them as quantized rows")
-    parser.add_argument("--key-bits", type=int, choices=(0, 4, 8), default=0,
-                        help="EngineConfig.key_bits: 0 factors the keys (default), 4/8 keeps them as quantized rows")
+    parser.add_argument("--value-bits", type=int, choices=VALUE_BITS, default=0,
+                        help="EngineConfig.value_bits: 0 factors the values (default), 4/6/8 keeps them as quantized rows")
+    parser.add_argument("--key-bits", type=int, choices=VALUE_BITS, default=0,
+                        help="EngineConfig.key_bits: 0 factors the keys (default), 4/6/8 keeps them as quantized rows")
     parser.add_argument("--no-small-rows", action="store_true",
                         help="EngineConfig.small_rows=False: factor small corrections too (the storage before it)")
+    parser.add_argument("--small-row-bits", type=int, choices=SMALL_ROW_BITS, default=None,
+                        help="EngineConfig.small_row_bits: code bits of small corrections' rows (engine default)")
     parser.add_argument("--correction-dtype", choices=CORRECTION_DTYPES, default=None,
                         help="EngineConfig.correction_dtype of the factors (engine default)")
     parser.add_argument("--u8-components", type=_u8, default=None,
@@ -64,6 +66,8 @@ def storage_of(args: argparse.Namespace) -> dict:
     out = {} if args.correction_dtype is None else {"correction_dtype": args.correction_dtype}
     if args.u8_components is not None:
         out["u8_components"] = None if args.u8_components == "all" else args.u8_components
+    if args.small_row_bits is not None:
+        out["small_row_bits"] = args.small_row_bits
     return out
 
 
