@@ -127,6 +127,10 @@ class SegmentStore:
     def add_correction(self, tokens: tuple[int, ...], context: int, corr: Correction) -> None:
         self._corrections[(corr.agent, tokens, corr.start, context)] = corr
 
+    def held_corrections(self) -> dict[tuple[str, tuple[int, ...], int, int], Correction]:
+        """Every correction held, by (agent, segment tokens, start, context): a copy, for reports."""
+        return dict(self._corrections)
+
     def corrections_of(self, agent: str, tokens: tuple[int, ...]) -> list[Correction]:
         return [c for (a, t, _, _), c in self._corrections.items() if a == agent and t == tokens]
 

@@ -1,0 +1,240 @@
+"""Where kvcmas's correction bytes go on a bench trace, and what other storages of them would lose.
+
+    python -m benchmarks.storage_probe [--preset full] [--trace pipeline] [--dtype float32] [--out DIR]
+
+Plays the trace's exact pass, then replays it through a kvcmas engine at its defaults as ``kvcmas bench``
+does (agents declared, whole replies decoded), capturing every deviation the engine compresses (by
+wrapping ``engine.correction``'s ``compress`` and ``compress_joint``). Reports, as JSON and markdown:
+
+- the correction states held at the end, by agent, storage (factored, or rows) and whether a later
+  real request read them (those not read were made for turns the trace does not have);
+- on the small corrections (those kept as rows): the share of the deviation's energy that rows in 8,
+  6 and 4 bits lose, against their own rank-r SVD, and against projecting them on the basis of
+  their agent's latest factored correction (could requests share bases?);
+- on the factored corrections: how many components a rank allocated over layers and KV heads by
+  energy would need to lose as much as rank r everywhere.
+Energies are over the stored layers (from ``UNCORRECTED_LAYERS`` on). A dev probe: figures, not speed.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from kvcmas_agents.bench.methods import METHODS
+from kvcmas_agents.bench.traces import get_traces
+from kvcmas_agents.engine import Engine, correction
+from kvcmas_agents.engine.lowrank import rows_are_smaller
+from kvcmas_agents.engine.quant_rows import channel_scale, dequantize_rows, normalized, quantize_rows
+from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
+from kvcmas_agents.fidelity.conversation import run_exact_and_close
+from kvcmas_agents.fidelity.replay import replay
+from kvcmas_agents.fidelity.scenarios import declare_systems
+
+ROW_BITS = (8, 6, 4)
+
+
+@contextmanager
+def capture(engine: Engine) -> Iterator[list[dict[str, Any]]]:
+    """Record each deviation the engine's corrector compresses: agent, request, rows, dk/dv (fp32, CPU)."""
+    calls: list[dict[str, Any]] = []
+    current: dict[str, str] = {}
+    corrector = engine.corrector
+    recompute, single, joint = corrector._recompute, correction.compress, correction.compress_joint
+
+    def record(dk: torch.Tensor, dv: torch.Tensor) -> None:
+        calls.append({**current, "rows": dk.shape[2], "dk": dk.float().cpu(), "dv": dv.float().cpu()})
+
+    def on_recompute(req, *args, **kwargs):
+        current.update(agent=req.agent, request=req.request_id)
+        return recompute(req, *args, **kwargs)
+
+    def on_single(dk, dv, *args, **kwargs):
+        record(dk, dv)
+        return single(dk, dv, *args, **kwargs)
+
+    def on_joint(dks, dvs, *args, **kwargs):
+        record(torch.cat(dks, 2), torch.cat(dvs, 2))
+        return joint(dks, dvs, *args, **kwargs)
+
+    corrector._recompute, correction.compress, correction.compress_joint = on_recompute, on_single, on_joint
+    try:
+        yield calls
+    finally:
+        del corrector._recompute
+        correction.compress, correction.compress_joint = single, joint
+
+
+def rows_loss(d: torch.Tensor, bits: int, channels: bool) -> float:
+    """Share of d's [.., R, D] energy lost as ``bits``-bit rows (keys: channel scales first)."""
+    c = channel_scale(d) if channels else None
+    codes, scale = quantize_rows(d if c is None else normalized(d, c), bits)
+    back = dequantize_rows(codes, scale, bits=bits)
+    if c is not None:
+        back = back * c.float()
+    return float((back - d).pow(2).sum() / d.pow(2).sum())
+
+
+def svd_basis(d: torch.Tensor, rank: int) -> torch.Tensor:
+    """Leading right singular vectors [.., r, D] of each matrix of d [.., R, D]."""
+    return torch.linalg.svd(d.double(), full_matrices=False)[2][..., :rank, :]
+
+
+def projection_loss(d: torch.Tensor, basis: torch.Tensor) -> float:
+    """Share of d's energy outside the row space of ``basis`` (same leading dims)."""
+    x = d.double()
+    return float((x - x @ basis.transpose(-1, -2) @ basis).pow(2).sum() / x.pow(2).sum())
+
+
+def allocation(spectra: list[torch.Tensor], rank: int) -> tuple[int, int]:
+    """(components at rank r in every matrix, fewest components, largest first over all of a request's
+    matrices, that lose no more energy) summed over the requests; spectra are singular values [.., n]."""
+    uniform = needed = 0
+    for s in spectra:
+        s2 = s.double().pow(2)
+        kept = s2[..., :rank].sum()
+        cum = s2.flatten().sort(descending=True).values.cumsum(0)
+        uniform += s2[..., 0].numel() * min(rank, s2.shape[-1])
+        needed += int((cum < kept * (1 - 1e-9)).sum()) + 1
+    return uniform, needed
+
+
+def analyse(calls: list[dict[str, Any]], rank: int, first: int) -> dict[str, Any]:
+    """The storage figures of captured deviations (stored layers from ``first`` on)."""
+    small, large = [], []
+    for c in calls:
+        dk, dv = c["dk"][first:], c["dv"][first:]
+        rows = rows_are_smaller(c["rows"], dk.shape[-1], rank, channels=True)
+        (small if rows else large).append({**c, "dk": dk, "dv": dv})
+    out: dict[str, Any] = {"small_requests": len(small), "small_rows": sum(c["rows"] for c in small),
+                           "factored_requests": len(large), "factored_rows": sum(c["rows"] for c in large)}
+
+    def pooled(fn, cs, side):
+        lost = sum(fn(c[side]) * c[side].pow(2).sum().item() for c in cs)
+        return lost / max(sum(c[side].pow(2).sum().item() for c in cs), 1e-30)
+
+    if small:
+        out["small_lost"] = {f"rows{b}": {s: pooled(lambda d, b=b, s=s: rows_loss(d, b, s == "dk"), small, s)
+                                          for s in ("dk", "dv")} for b in ROW_BITS}
+        out["small_lost"][f"svd{rank}"] = {s: pooled(lambda d: projection_loss(d, svd_basis(d, rank)), small, s)
+                                           for s in ("dk", "dv")}
+        latest: dict[str, dict[str, torch.Tensor]] = {}
+        shared = defaultdict(list)
+        for c in calls:                          # in call order: a small one meets its agent's latest basis
+            d = {s: c[s][first:] for s in ("dk", "dv")}
+            if rows_are_smaller(c["rows"], d["dk"].shape[-1], rank, channels=True):
+                if c["agent"] in latest:
+                    for s in ("dk", "dv"):
+                        shared[s].append((projection_loss(d[s], latest[c["agent"]][s]), d[s].pow(2).sum().item()))
+            else:
+                latest[c["agent"]] = {s: svd_basis(d[s], rank) for s in ("dk", "dv")}
+        if shared["dk"]:
+            out["small_lost"]["agent_basis"] = {s: sum(x * w for x, w in v) / sum(w for _, w in v)
+                                                for s, v in shared.items()}
+            out["small_lost"]["agent_basis_requests"] = len(shared["dk"])
+    for s in ("dk", "dv"):
+        if large:
+            uniform, needed = allocation([torch.linalg.svdvals(c[s].double()) for c in large], rank)
+            out[f"allocation_{s}"] = {"uniform": uniform, "by_energy": needed, "ratio": needed / uniform}
+    return out
+
+
+def held(engine: Engine, read: set) -> list[dict[str, Any]]:
+    """The correction states held, one row per (agent, segment, position, context)."""
+    out = []
+    for key, corr in engine.scheduler.segments.held_corrections().items():
+        own = corr.own
+        basis = sum(t.numel() * t.element_size() for t in own.basis_tensors())
+        out.append({"agent": corr.agent, "rows": own.num_rows, "bytes": own.nbytes - basis,
+                    "storage": "rows" if own.bk is None else "factored", "read": key in read})
+    return out
+
+
+def summarize_held(items: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    groups: dict[str, dict[str, float]] = defaultdict(lambda: {"segments": 0, "rows": 0, "mib": 0.0})
+    for i in items:
+        for name in (f"{i['storage']}, {'read' if i['read'] else 'not read'}", "all"):
+            g = groups[name]
+            g["segments"] += 1
+            g["rows"] += i["rows"]
+            g["mib"] += i["bytes"] / 2**20
+    return dict(groups)
+
+
+async def probe(preset: str, trace_name: str, dtype: str | None) -> dict[str, Any]:
+    trace = get_traces(preset, [trace_name])[0]
+    with single_threaded_caller() as threads:
+        extra = {"num_threads": threads, **({"dtype": dtype} if dtype else {})}
+        exact, _ = await run_exact_and_close(Engine(METHODS["none"].config(None, "cpu", **extra)), trace.scenario,
+                                             trace.reply_tokens, 16)
+        engine = Engine(METHODS["kvcmas"].config(None, "cpu", **extra))
+        try:
+            engine.set_edges(trace.scenario.edges)
+            declare_systems(engine, trace.scenario)
+            read: set = set()
+            lookup = engine.scheduler.segments.correction
+
+            def reading(agent, tokens, start, context):
+                found = lookup(agent, tokens, start, context)
+                if found is not None:
+                    read.add((agent, tokens, start, context))
+                return found
+
+            engine.scheduler.segments.correction = reading
+            with capture(engine) as calls:
+                await replay(engine, exact, 16, True)
+            stats = engine.stats()
+            items = held(engine, read)
+        finally:
+            await engine.aclose()
+        cfg = engine.config
+        return {"preset": preset, "trace": trace_name, "dtype": stats["dtype"], "rank": cfg.rank,
+                "small_row_bits": cfg.small_row_bits, "correction_mib": stats["correction_bytes"] / 2**20,
+                "basis_mib": stats["correction_basis_bytes"] / 2**20, "held": summarize_held(items),
+                "deviations": analyse(calls, cfg.rank, correction.UNCORRECTED_LAYERS)}
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [f"# storage probe: {r['trace']} ({r['preset']}, {r['dtype']}), rank {r['rank']}, "
+             f"small rows in {r['small_row_bits']} bits", "",
+             f"Corrections held at the end: {r['correction_mib']:.1f} MiB (bases {r['basis_mib']:.1f}).", "",
+             "| states | segments | rows | MiB without bases |", "|---|---|---|---|"]
+    lines += [f"| {k} | {v['segments']} | {v['rows']} | {v['mib']:.1f} |" for k, v in sorted(r["held"].items())]
+    d = r["deviations"]
+    lines += ["", f"Small corrections: {d['small_requests']} requests, {d['small_rows']} rows; factored: "
+              f"{d['factored_requests']} requests, {d['factored_rows']} rows.", ""]
+    if "small_lost" in d:
+        lines += ["| small corrections stored as | key energy lost | value energy lost |", "|---|---|---|"]
+        lines += [f"| {k} | {v['dk']:.4%} | {v['dv']:.4%} |" for k, v in d["small_lost"].items() if isinstance(v, dict)]
+    for s, name in (("dk", "keys"), ("dv", "values")):
+        a = d.get(f"allocation_{s}")
+        if a:
+            lines.append(f"\nFactored {name}: rank {r['rank']} everywhere is {a['uniform']} components; allocated "
+                         f"by energy, {a['by_energy']} lose as much ({a['ratio']:.2f}x).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="full", choices=("full", "quick", "tiny", "long"))
+    ap.add_argument("--trace", default="pipeline")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    ap.add_argument("--out", default="benchmarks/results/storage_probe")
+    args = ap.parse_args(argv)
+    result = asyncio.run(probe(args.preset, args.trace, args.dtype))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "storage_probe.json").write_text(json.dumps(result, indent=1))
+    (out / "storage_probe.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

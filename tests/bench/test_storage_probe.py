@@ -1,0 +1,56 @@
+"""The storage probe: its energy measures on synthetic deviations, and one tiny run on the real model."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from benchmarks.storage_probe import allocation, analyse, main, projection_loss, rows_loss, svd_basis
+
+
+def test_rows_lose_more_with_fewer_bits_and_channel_scales_help_keys():
+    torch.manual_seed(0)
+    d = torch.randn(2, 3, 40, 64)
+    d[..., :3] *= 30.0                             # a few large channels, as keys have
+    lost = {b: rows_loss(d, b, channels=True) for b in (8, 6, 4)}
+    assert 0 < lost[8] < lost[6] < lost[4] < 0.05, lost
+    assert rows_loss(d, 4, channels=False) > lost[4]
+
+
+def test_projection_on_its_own_full_basis_loses_nothing_and_on_an_unrelated_one_most():
+    torch.manual_seed(1)
+    d = torch.randn(3, 20, 16)
+    assert projection_loss(d, svd_basis(d, 16)) < 1e-12
+    assert 0 < projection_loss(d, svd_basis(d, 4)) < projection_loss(d, svd_basis(torch.randn(3, 20, 16), 4))
+
+
+def test_allocation_by_energy_spends_components_where_the_energy_is():
+    """Rank 2 in each of two matrices is 4 components and loses 1 + 0.09 of energy; by energy, the
+    strong matrix's three components alone lose less (0.5)."""
+    strong, faint = torch.tensor([10.0, 5.0, 1.0]), torch.tensor([0.5, 0.4, 0.3])
+    assert allocation([torch.stack([strong, faint])], rank=2) == (4, 3)
+    assert allocation([torch.stack([strong, strong])], rank=2) == (4, 4)     # nothing to move
+
+
+def test_analyse_splits_small_from_factored_deviations():
+    torch.manual_seed(2)
+    big = {"agent": "a", "request": "1", "rows": 300, "dk": torch.randn(3, 2, 300, 64), "dv": torch.randn(3, 2, 300, 64)}
+    small = {"agent": "a", "request": "2", "rows": 50, "dk": torch.randn(3, 2, 50, 64), "dv": torch.randn(3, 2, 50, 64)}
+    out = analyse([big, small], rank=40, first=1)
+    assert (out["small_requests"], out["small_rows"], out["factored_requests"]) == (1, 50, 1)
+    lost = out["small_lost"]
+    assert lost["rows8"]["dk"] < lost["rows6"]["dk"] < lost["rows4"]["dk"] < lost["svd40"]["dk"]
+    assert out["small_lost"]["agent_basis_requests"] == 1
+    assert lost["agent_basis"]["dv"] > lost["svd40"]["dv"]       # unrelated noise: another basis fits worse
+    assert out["allocation_dk"]["uniform"] == 2 * 2 * 40
+
+
+def test_tiny_run_reports_held_states_and_losses(tmp_path):
+    assert main(["--preset", "tiny", "--trace", "csv", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "storage_probe.json").read_text())
+    assert result["small_row_bits"] == 6 and result["correction_mib"] > 0
+    held = result["held"]["all"]
+    assert held["segments"] > 0 and held["rows"] > 0
+    assert abs(held["mib"] - (result["correction_mib"] - result["basis_mib"])) < 0.01
+    assert result["deviations"]["small_rows"] > 0
+    assert "| rows6 |" in (tmp_path / "storage_probe.md").read_text()
