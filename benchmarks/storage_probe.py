@@ -30,8 +30,7 @@ import torch
 from kvcmas_agents.bench.methods import METHODS
 from kvcmas_agents.bench.traces import get_traces
 from kvcmas_agents.engine import Engine, correction
-from kvcmas_agents.engine.lowrank import rows_are_smaller
-from kvcmas_agents.engine.quant_rows import channel_scale, dequantize_rows, normalized, quantize_rows
+from kvcmas_agents.engine.lowrank import captured_energy, compress, rows_are_smaller, unique_nbytes
 from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
 from kvcmas_agents.fidelity.conversation import run_exact_and_close
 from kvcmas_agents.fidelity.replay import replay
@@ -72,12 +71,10 @@ def capture(engine: Engine) -> Iterator[list[dict[str, Any]]]:
 
 
 def rows_loss(d: torch.Tensor, bits: int, channels: bool) -> float:
-    """Share of d's [.., R, D] energy lost as ``bits``-bit rows (keys: channel scales first)."""
-    c = channel_scale(d) if channels else None
-    codes, scale = quantize_rows(d if c is None else normalized(d, c), bits)
-    back = dequantize_rows(codes, scale, bits=bits)
-    if c is not None:
-        back = back * c.float()
+    """Share of d's [L, KVH, R, D] energy lost as ``bits``-bit rows, stored as the engine stores them
+    (``compress`` with key_bits/value_bits; keys get channel scales first)."""
+    state = compress(d, d, torch.arange(d.shape[2]), 0, key_bits=bits, value_bits=bits)
+    back = (state.key_coeffs() if channels else state.value_coeffs()).at()
     return float((back - d).pow(2).sum() / d.pow(2).sum())
 
 
@@ -107,11 +104,10 @@ def allocation(spectra: list[torch.Tensor], rank: int) -> tuple[int, int]:
 
 def analyse(calls: list[dict[str, Any]], rank: int, first: int) -> dict[str, Any]:
     """The storage figures of captured deviations (stored layers from ``first`` on)."""
-    small, large = [], []
-    for c in calls:
-        dk, dv = c["dk"][first:], c["dv"][first:]
-        rows = rows_are_smaller(c["rows"], dk.shape[-1], rank, channels=True)
-        (small if rows else large).append({**c, "dk": dk, "dv": dv})
+    stored = [{**c, "dk": c["dk"][first:], "dv": c["dv"][first:]} for c in calls]
+    for c in stored:
+        c["small"] = rows_are_smaller(c["rows"], c["dk"].shape[-1], rank, channels=True)
+    small, large = [c for c in stored if c["small"]], [c for c in stored if not c["small"]]
     out: dict[str, Any] = {"small_requests": len(small), "small_rows": sum(c["rows"] for c in small),
                            "factored_requests": len(large), "factored_rows": sum(c["rows"] for c in large)}
 
@@ -122,18 +118,17 @@ def analyse(calls: list[dict[str, Any]], rank: int, first: int) -> dict[str, Any
     if small:
         out["small_lost"] = {f"rows{b}": {s: pooled(lambda d, b=b, s=s: rows_loss(d, b, s == "dk"), small, s)
                                           for s in ("dk", "dv")} for b in ROW_BITS}
-        out["small_lost"][f"svd{rank}"] = {s: pooled(lambda d: projection_loss(d, svd_basis(d, rank)), small, s)
+        out["small_lost"][f"svd{rank}"] = {s: pooled(lambda d: 1 - captured_energy(d, rank).item(), small, s)
                                            for s in ("dk", "dv")}
         latest: dict[str, dict[str, torch.Tensor]] = {}
         shared = defaultdict(list)
-        for c in calls:                          # in call order: a small one meets its agent's latest basis
-            d = {s: c[s][first:] for s in ("dk", "dv")}
-            if rows_are_smaller(c["rows"], d["dk"].shape[-1], rank, channels=True):
+        for c in stored:                         # in call order: a small one meets its agent's latest basis
+            if c["small"]:
                 if c["agent"] in latest:
                     for s in ("dk", "dv"):
-                        shared[s].append((projection_loss(d[s], latest[c["agent"]][s]), d[s].pow(2).sum().item()))
+                        shared[s].append((projection_loss(c[s], latest[c["agent"]][s]), c[s].pow(2).sum().item()))
             else:
-                latest[c["agent"]] = {s: svd_basis(d[s], rank) for s in ("dk", "dv")}
+                latest[c["agent"]] = {s: svd_basis(c[s], rank) for s in ("dk", "dv")}
         if shared["dk"]:
             out["small_lost"]["agent_basis"] = {s: sum(x * w for x, w in v) / sum(w for _, w in v)
                                                 for s, v in shared.items()}
@@ -150,8 +145,8 @@ def held(engine: Engine, read: set) -> list[dict[str, Any]]:
     out = []
     for key, corr in engine.scheduler.segments.held_corrections().items():
         own = corr.own
-        basis = sum(t.numel() * t.element_size() for t in own.basis_tensors())
-        out.append({"agent": corr.agent, "rows": own.num_rows, "bytes": own.nbytes - basis,
+        out.append({"agent": corr.agent, "rows": own.num_rows,
+                    "bytes": own.nbytes - unique_nbytes([own], bases_only=True),
                     "storage": "rows" if own.bk is None else "factored", "read": key in read})
     return out
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .quant_rows import BITS as ROW_BITS
+
 ReuseMode = Literal["none", "prefix", "naive", "kvcmas", "cacheblend", "kvcomm"]
 REUSE_MODES: tuple[str, ...] = ("none", "prefix", "naive", "kvcmas", "cacheblend", "kvcomm")
 # Modes that reuse other agents' segment KV (RoPE-realigned home views).
@@ -13,8 +15,7 @@ PRIVATE_COPY_MODES: tuple[str, ...] = ("cacheblend", "kvcomm")
 REFERENCES: tuple[str, ...] = ("home", "chain")
 BASES: tuple[str, ...] = ("request", "segment")
 CORRECTION_DTYPES: tuple[str, ...] = ("int8", "int8_basis", "bfloat16", "float16", "float32", "kv")
-VALUE_BITS: tuple[int, ...] = (0, 4, 6, 8)
-SMALL_ROW_BITS: tuple[int, ...] = (4, 6, 8)
+VALUE_BITS: tuple[int, ...] = (0, *ROW_BITS)        # 0: factored; else the bits of quantized rows
 DEFAULT_MODEL = "smollm2-135m-instruct"
 VIEW_PATHS: tuple[str, ...] = ("auto", "gather", "query", "triton")
 
@@ -177,8 +178,8 @@ class EngineConfig:
             raise ValueError(f"u8_components must be None or an int >= 0, got {self.u8_components!r}")
         if not isinstance(self.small_rows, bool):
             raise ValueError(f"small_rows must be a bool, got {self.small_rows!r}")
-        if self.small_row_bits not in SMALL_ROW_BITS or isinstance(self.small_row_bits, bool):
-            raise ValueError(f"small_row_bits must be one of {SMALL_ROW_BITS}, got {self.small_row_bits!r}")
+        if self.small_row_bits not in ROW_BITS or isinstance(self.small_row_bits, bool):
+            raise ValueError(f"small_row_bits must be one of {ROW_BITS}, got {self.small_row_bits!r}")
         for name in ("value_bits", "key_bits"):
             bits = getattr(self, name)
             if bits not in VALUE_BITS or isinstance(bits, bool):

@@ -361,9 +361,9 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     ``key_bits`` the key rows are kept so too, each channel divided first by its scale over the rows
     (``quant_rows.channel_scale``); no SVD runs for a side kept as rows. With ``small_rows`` and int8
     factors, a factored side whose factors would take more bytes than its rows as 8-bit rows keeps
-    those rows instead (``rows_are_smaller``), quantized to ``small_bits``. With int8 factors and ``u8``, U's components past the
-    first ``u8`` are stored as 4-bit codes (``_quantized``). Layers before ``first_layer`` are dropped:
-    the state corrects nothing there.
+    those rows instead (``rows_are_smaller``), quantized to ``small_bits``. With int8 factors and
+    ``u8``, U's components past the first ``u8`` are stored as 4-bit codes (``_quantized``). Layers
+    before ``first_layer`` are dropped: the state corrects nothing there.
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")

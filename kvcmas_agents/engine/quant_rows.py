@@ -83,7 +83,7 @@ def pack_sixes(q: torch.Tensor) -> torch.Tensor:
 def unpack_sixes(codes: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``pack_sixes`` undone: uint8 [..., 3W/4] -> codes [..., W] in ``dtype``."""
     w = codes.shape[-1] // 3
-    hi = codes >> 6              # whole-tensor ops, then one combine: half the time of unpacking per quarter
+    hi = codes >> 6              # whole-tensor ops, then one combine: fewer ops than unpacking per quarter
     d = hi[..., :w] | hi[..., w:2 * w] << 2 | hi[..., 2 * w:] << 4
     return torch.cat([codes & 63, d], dim=-1).to(dtype).sub_(32)
 

@@ -5,7 +5,7 @@ import argparse
 import asyncio
 
 from ..engine import ReuseOptions
-from ..engine.config import CORRECTION_DTYPES, REFERENCES, REUSE_MODES, SMALL_ROW_BITS, VALUE_BITS
+from ..engine.config import CORRECTION_DTYPES, REFERENCES, REUSE_MODES, ROW_BITS, VALUE_BITS
 from .harness import SweepGrid, run_fidelity
 from .report import history_table, summary_table, sweep_table, write_report
 from .scenarios import DEFAULT_SCENARIOS, SCENARIOS, get_scenario
@@ -35,7 +35,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.key_bits: 0 factors the keys (default), 4/6/8 keeps them as quantized rows")
     parser.add_argument("--no-small-rows", action="store_true",
                         help="EngineConfig.small_rows=False: factor small corrections too (the storage before it)")
-    parser.add_argument("--small-row-bits", type=int, choices=SMALL_ROW_BITS, default=None,
+    parser.add_argument("--small-row-bits", type=int, choices=ROW_BITS, default=None,
                         help="EngineConfig.small_row_bits: code bits of small corrections' rows (engine default)")
     parser.add_argument("--correction-dtype", choices=CORRECTION_DTYPES, default=None,
                         help="EngineConfig.correction_dtype of the factors (engine default)")
