@@ -22,13 +22,16 @@ class Method:
     key_bits: int | None = None
     small_rows: bool | None = None
     small_row_bits: int | None = None
+    u_head_bits: int | None = None
+    uncorrected_energy: float | None = None
     correction_dtype: str | None = None
     u8_components: int | str | None = None
 
     def _knobs(self) -> dict:
         return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio",
-                                              "value_bits", "key_bits", "small_rows", "small_row_bits",
-                                              "correction_dtype", "u8_components") if getattr(self, k) is not None}
+                                              "value_bits", "key_bits", "small_rows", "small_row_bits", "u_head_bits",
+                                              "uncorrected_energy", "correction_dtype", "u8_components")
+                if getattr(self, k) is not None}
 
     def config(self, model: str | None, device: str, **extra) -> EngineConfig:
         knobs = self._knobs()
@@ -40,7 +43,8 @@ class Method:
     def label(self) -> str:
         short = {"recompute_ratio": "r", "rank": "k", "reference": "ref", "prefetch": "prefetch",
                  "prefetch_ratio": "pr", "value_bits": "vbits", "key_bits": "kbits",
-                 "small_rows": "rows", "small_row_bits": "rbits", "correction_dtype": "dtype", "u8_components": "u8"}
+                 "small_rows": "rows", "small_row_bits": "rbits", "u_head_bits": "hbits", "uncorrected_energy": "faint", "correction_dtype": "dtype",
+                 "u8_components": "u8"}
         knobs = self._knobs()
         if not knobs:
             return self.name
@@ -64,8 +68,13 @@ METHODS: dict[str, Method] = {
     "kvcmas-kv4": Method("kvcmas-kv4", "kvcmas", value_bits=4, key_bits=4),
     # ours with small corrections' rows in 8 bits (EngineConfig.small_row_bits), the storage before 6-bit rows
     "kvcmas-rows8": Method("kvcmas-rows8", "kvcmas", small_row_bits=8),
+    # ours with U's leading components in 8 bits and every layer from 1 stored (EngineConfig.u_head_bits,
+    # uncorrected_energy): the storage defaults before 6-bit U codes and faint layers
+    "kvcmas-u8": Method("kvcmas-u8", "kvcmas", u_head_bits=8, uncorrected_energy=0.0),
+    # ours storing every layer from 1 on (EngineConfig.uncorrected_energy=0)
+    "kvcmas-all-layers": Method("kvcmas-all-layers", "kvcmas", uncorrected_energy=0.0),
     # ours with the storage defaults before 4-bit tails: U all in int8, B in bf16 (the comparison)
-    "kvcmas-int8": Method("kvcmas-int8", "kvcmas", correction_dtype="int8", u8_components="all"),
+    "kvcmas-int8": Method("kvcmas-int8", "kvcmas", correction_dtype="int8", u8_components="all", u_head_bits=8),
 }
 DEFAULT_METHODS: tuple[str, ...] = tuple(METHODS)
 

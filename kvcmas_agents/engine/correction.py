@@ -23,7 +23,7 @@ from .cacheblend import CacheBlend
 from .config import CROSS_AGENT_MODES, PRIVATE_COPY_MODES
 from .kv_store import KVStore
 from .kvcomm import KVComm
-from .lowrank import LowRankDelta, compress, compress_joint, strongest_rows
+from .lowrank import LowRankDelta, compress, compress_joint, faint_layers, strongest_rows
 from .model import LlamaModel
 from .realign import Realigner
 from .request import Request, ReusePiece
@@ -58,6 +58,9 @@ class Corrector:
         self.small_rows = True         # EngineConfig.small_rows: rows where 8-bit rows beat the factors
         self.small_bits = 8            # EngineConfig.small_row_bits: those rows' code bits
         self.u8: int | None = None     # EngineConfig.u8_components: U's components kept at 8 bits
+        self.head_bits = 8             # EngineConfig.u_head_bits: those components' code bits
+        self.faint_energy = 0.0        # EngineConfig.uncorrected_energy: leading layers' share left uncorrected
+        self.layers_dropped = 0        # leading layers past UNCORRECTED_LAYERS not stored, summed over requests
         self.newest_whole = True       # EngineConfig.recompute_newest
         self.keep_energy = 1.0         # EngineConfig.correction_energy
         self.rows_dropped = 0          # recomputed rows whose deviation was too faint to store
@@ -324,13 +327,15 @@ class Corrector:
             dv = [x[:, :, mk] for x, mk in zip(dv, masks)]
             rows_of = [r[mk.to(r.device)] for r, mk in zip(rows_of, masks)]
         dtype, vbits, kbits = (None, 0, 0) if full else (self.state_dtype, self.value_bits, self.key_bits)
-        first = 0 if full else min(UNCORRECTED_LAYERS, m.args.num_layers - 1)
+        first = 0 if full else min(max(UNCORRECTED_LAYERS, faint_layers(dk, dv, self.faint_energy)),
+                                   m.args.num_layers - 1)
+        self.layers_dropped += max(0, first - UNCORRECTED_LAYERS)
         if self.joint_basis and len(pending) > 1 and not full:
             states = compress_joint(dk, dv, rows_of, rank, dtype, self.int8_basis, vbits, kbits, first,
-                                    self.small_rows, self.u8, self.small_bits)
+                                    self.small_rows, self.u8, self.small_bits, self.head_bits)
         else:
             states = [compress(k, v, r, rank, dtype, self.int8_basis, vbits, kbits, first, self.small_rows, self.u8,
-                               self.small_bits)
+                               self.small_bits, self.head_bits)
                       for k, v, r in zip(dk, dv, rows_of)]
         for p, state in zip(pending, states):
             self._store(req, p, state, sel[id(p)].numel())     # recomputed, whether stored or not

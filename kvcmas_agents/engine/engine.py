@@ -89,6 +89,8 @@ class Engine:
         self.corrector.small_rows = self.config.small_rows
         self.corrector.small_bits = self.config.small_row_bits
         self.corrector.u8 = self.config.u8_components
+        self.corrector.head_bits = self.config.u_head_bits
+        self.corrector.faint_energy = self.config.uncorrected_energy
         self.prefetcher = (Prefetcher(self.scheduler, self.corrector, self.successors, self.config.prefetch_ratio)
                            if self.config.prefetch else None)
         self.runner = ModelRunner(self.model, self.store, self.corrector, self.config.view_path)
@@ -263,9 +265,12 @@ class Engine:
             "correction_dtype": self.config.correction_dtype, "value_bits": self.config.value_bits,
             "key_bits": self.config.key_bits, "small_rows": self.config.small_rows,
             "small_row_bits": self.config.small_row_bits,
-            "u8_components": self.config.u8_components, "num_threads": self.num_threads,
+            "u8_components": self.config.u8_components, "u_head_bits": self.config.u_head_bits,
+            "num_threads": self.num_threads,
             "correction_energy": self.config.correction_energy,
             "correction_rows_dropped": self.corrector.rows_dropped,
+            "uncorrected_energy": self.config.uncorrected_energy,
+            "correction_layers_dropped": self.corrector.layers_dropped,
             "blend_ratio": self.config.blend_ratio, "kvcomm_anchors": self.config.kvcomm_anchors,
             "kvcomm_threshold": self.config.kvcomm_threshold,
             "anchors": anchors.anchors, "anchor_bytes": anchors.anchor_bytes,

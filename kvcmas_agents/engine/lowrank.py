@@ -6,7 +6,8 @@ For one segment, the corrected view is ``K_ref + scatter(rows, U_k @ B_k)`` per 
   fold into B, and an int8 B (``int8_basis``) carries one fp32 scale per component (``sk``/``sv``).
   With ``u8`` only U's leading ``u8`` components keep 8-bit codes: the trailing ones, which hold the
   least of the deviation, are 4-bit codes packed two to a byte at the end of U (``tk``/``tv`` count
-  them); or
+  them). With ``head_bits=6`` the leading ones are 6-bit codes instead, four packed in three bytes
+  (``hk``/``hv``); or
 - full rank (``compress(value_bits=...)`` for the values, ``key_bits=...`` for the keys, and with
   ``small_rows`` any int8 side whose factors would be larger, as ``small_bits`` rows): U is the
   deviation rows themselves, quantized per row to 4, 6 or 8 bits with one bf16 scale per row and head
@@ -24,8 +25,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from .quant_rows import (BITS, channel_scale, code_bits, dequantize_rows, normalized, pack_nibbles, quantize_rows,
-                         row_width, unpack_nibbles)
+from .quant_rows import (BITS, channel_scale, code_bits, dequantize_rows, normalized, pack_nibbles, pack_sixes,
+                         quantize_rows, row_width, unpack_nibbles, unpack_sixes)
 from .rope import rotate
 
 
@@ -41,7 +42,8 @@ class LowRankDelta:
     or uint8 packing 6- or 4-bit codes, ``qk``/``qv`` bits each); its B factor is None: the identity. ``ck``/``cv``
     [L, KVH, 1, D] are optional per-channel scales of such rows (shared by the states of a joint basis).
     ``tk``/``tv`` count an int8 U's trailing components stored as 4-bit codes: U's last ``tk // 2``
-    columns hold them, two to a byte (so U [L, KVH, R, r - tk // 2]).
+    columns hold them, two to a byte (so U [L, KVH, R, r - tk // 2]). ``hk``/``hv`` are the bits of
+    its leading components' codes: 8 (or 0), or 6 (``pack_sixes``: h components in 3h/4 columns).
     Every tensor above holds layers [first_layer, first_layer + L); the layers before correct nothing
     and store nothing (layer 0's deviation is rounding: see ``Corrector``).
     """
@@ -63,6 +65,8 @@ class LowRankDelta:
     tv: int = 0
     qk: int = 0                 # bits of quantized key rows (0 with rk: what the codes' dtype says)
     qv: int = 0
+    hk: int = 0                 # bits of an int8 U's leading (not 4-bit) components: 0 or 8, or 6
+    hv: int = 0
 
     def __post_init__(self) -> None:
         if self.first_layer < 0:
@@ -76,15 +80,19 @@ class LowRankDelta:
         layers, heads, nrows, _ = self.uk.shape
         if self.rows.shape != (nrows,) or self.uv.shape[:3] != (layers, heads, nrows):
             raise ValueError(f"rows {tuple(self.rows.shape)} do not match factors {tuple(self.uk.shape)}")
-        for u, b, r, c, t, q in ((self.uk, self.bk, self.rk, self.ck, self.tk, self.qk),
-                                 (self.uv, self.bv, self.rv, self.cv, self.tv, self.qv)):
+        for u, b, r, c, t, q, h in ((self.uk, self.bk, self.rk, self.ck, self.tk, self.qk, self.hk),
+                                    (self.uv, self.bv, self.rv, self.cv, self.tv, self.qv, self.hv)):
             if r is None and (u.dtype == torch.uint8 or b is None):
                 raise ValueError("a low-rank state needs B factors (only quantized rows with row scales have none)")
             if r is not None and (u.dtype not in (torch.int8, torch.uint8) or r.shape != (*u.shape[:3], 1)):
                 raise ValueError("quantized rows are int8 or uint8 (4- or 6-bit) with row scales [L, KVH, R, 1]")
             if t and (t < 0 or t % 2 or r is not None or u.dtype != torch.int8 or t // 2 > u.shape[3]):
                 raise ValueError(f"4-bit components come in pairs at the end of an int8 U factor, got {t}")
-            rank = row_width(u, q) if r is not None else u.shape[3] + t // 2
+            if h not in (0, 6, 8) or (h == 6 and (r is not None or u.dtype != torch.int8
+                                                  or (u.shape[3] - t // 2) % 3)):
+                raise ValueError(f"an int8 U's leading components have 8- or 6-bit codes (6: in columns of "
+                                 f"three bytes per four), got {h} bits over {u.shape[3] - t // 2} columns")
+            rank = row_width(u, q) if r is not None else plain_rank(u.shape[3], t, h)
             if c is not None and (r is None or c.shape != (layers, heads, 1, rank)):
                 raise ValueError("channel scales [L, KVH, 1, D] belong to quantized rows only")
             if b is not None and b.shape[:3] != (layers, heads, rank):
@@ -134,10 +142,10 @@ class LowRankDelta:
 
     def key_coeffs(self) -> "Coeffs":
         """U_k as readers need it (dequantized when read)."""
-        return Coeffs(self.uk, self.rk, self.ck, self.first_layer, self.tk, self.qk)
+        return Coeffs(self.uk, self.rk, self.ck, self.first_layer, self.tk, self.qk, self.hk)
 
     def value_coeffs(self) -> "Coeffs":
-        return Coeffs(self.uv, self.rv, self.cv, self.first_layer, self.tv, self.qv)
+        return Coeffs(self.uv, self.rv, self.cv, self.first_layer, self.tv, self.qv, self.hv)
 
     def key_basis(self, cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Basis":
         """B_k as readers need it; ``cos_sin`` rotates it by ``shift`` (``Realigner.key_basis`` passes it)."""
@@ -163,7 +171,8 @@ class LowRankDelta:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return LowRankDelta(*(move(t) for t in (self.rows, self.uk, self.bk, self.uv, self.bv, self.sk, self.sv)),
                             shift=self.shift, rk=move(self.rk), rv=move(self.rv), ck=move(self.ck), cv=move(self.cv),
-                            first_layer=self.first_layer, tk=self.tk, tv=self.tv, qk=self.qk, qv=self.qv)
+                            first_layer=self.first_layer, tk=self.tk, tv=self.tv, qk=self.qk, qv=self.qv,
+                            hk=self.hk, hv=self.hv)
 
 
 @lru_cache(maxsize=16)
@@ -188,9 +197,9 @@ def _layer_of(first: int, layer: int | slice, read: Callable[[int | slice], torc
 @dataclass(frozen=True)
 class Coeffs:
     """A U factor [L, KVH, R, r] as read: plain (its last ``tail`` components 4-bit codes packed in
-    its last ``tail // 2`` columns), or quantized rows of ``codes`` bits dequantized by their row
-    ``scale`` (and, if given, their ``channel`` scales [L, KVH, 1, D]); layers before ``first`` read
-    as zeros."""
+    its last ``tail // 2`` columns, its leading ones ``head``-bit codes: 8 or 0, or 6), or quantized
+    rows of ``codes`` bits dequantized by their row ``scale`` (and, if given, their ``channel`` scales
+    [L, KVH, 1, D]); layers before ``first`` read as zeros."""
 
     u: torch.Tensor
     scale: torch.Tensor | None = None
@@ -198,10 +207,12 @@ class Coeffs:
     first: int = 0
     tail: int = 0
     codes: int = 0
+    head: int = 0
 
     @property
     def rank(self) -> int:
-        return row_width(self.u, self.codes) if self.scale is not None else self.u.shape[-1] + self.tail // 2
+        return row_width(self.u, self.codes) if self.scale is not None else plain_rank(self.u.shape[-1], self.tail,
+                                                                                        self.head)
 
     @property
     def bits(self) -> int:
@@ -223,8 +234,8 @@ class Coeffs:
         if layer < first or any(u.first != first for u in us):
             return torch.cat([u.at(layer, dtype) for u in us], dim=1)
         i = layer - first
-        if all(u.scale is None and u.tail == us[0].tail for u in us):
-            return _plain(torch.cat([u.u[i] for u in us], dim=1), us[0].tail, dtype)
+        if all(u.scale is None and u.tail == us[0].tail and u.head == us[0].head for u in us):
+            return _plain(torch.cat([u.u[i] for u in us], dim=1), us[0].tail, dtype, us[0].head)
         if all(u.scale is not None and u.bits == us[0].bits for u in us):
             # quantized rows (small corrections, or key_bits/value_bits): one dequantization, then
             # each state's channel scales over its own rows
@@ -243,17 +254,27 @@ class Coeffs:
 
     def _stored(self, layer: int | slice, dtype: torch.dtype) -> torch.Tensor:
         if self.scale is None:
-            return _plain(self.u[layer], self.tail, dtype)
+            return _plain(self.u[layer], self.tail, dtype, self.head)
         rows = dequantize_rows(self.u[layer], self.scale[layer], dtype, self.codes)
         return rows if self.channel is None else rows.mul_(self.channel[layer].to(dtype))
 
 
-def _plain(u: torch.Tensor, tail: int, dtype: torch.dtype) -> torch.Tensor:
-    """A plain U's codes [..., w] in ``dtype``, the ``tail`` 4-bit components in its last columns unpacked."""
-    if not tail:
-        return u.to(dtype)
+def plain_rank(width: int, tail: int, head: int) -> int:
+    """Components of a plain U ``width`` columns wide: ``tail`` 4-bit ones in the last ``tail // 2``
+    columns, the leading ones ``head``-bit codes (6: four in three columns)."""
+    lead = width - tail // 2
+    return (lead * 4 // 3 if head == 6 else lead) + tail
+
+
+def _plain(u: torch.Tensor, tail: int, dtype: torch.dtype, head: int = 0) -> torch.Tensor:
+    """A plain U's codes [..., w] in ``dtype``: the ``tail`` 4-bit components in its last columns, and
+    6-bit leading ones (``head``), unpacked."""
     w = u.shape[-1] - tail // 2
-    return torch.cat([u[..., :w].to(dtype), unpack_nibbles(u[..., w:].view(torch.uint8), dtype)], dim=-1)
+    lead = unpack_sixes(u[..., :w].view(torch.uint8), dtype) if head == 6 else None
+    if not tail:
+        return u.to(dtype) if lead is None else lead
+    lead = u[..., :w].to(dtype) if lead is None else lead
+    return torch.cat([lead, unpack_nibbles(u[..., w:].view(torch.uint8), dtype)], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -326,31 +347,44 @@ def u_tail(rank: int, u8: int | None) -> int:
     return 0 if u8 is None else max(0, rank - u8) // 2 * 2
 
 
-def _quantized(u: torch.Tensor, b: torch.Tensor, int8_basis: bool,
-               u8: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+def head_codes(rank: int, u8: int | None, head_bits: int) -> int:
+    """Bits of the codes of a rank-``rank`` int8 U's leading components (those ``u_tail`` leaves at 8
+    bits): ``head_bits``, except that 6-bit codes pack four to three bytes, so a count not divisible by
+    four (or none) keeps 8."""
+    lead = rank - u_tail(rank, u8)
+    return 6 if head_bits == 6 and lead and lead % 4 == 0 else 8
+
+
+def _quantized(u: torch.Tensor, b: torch.Tensor, int8_basis: bool, u8: int | None = None,
+               head_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
     """U [..., R, r] in int8 with one scale per component, folded into B ((U_q s) B == U_q (s B)).
     B stays bf16 (no scale left), or with ``int8_basis`` is quantized too, leaving one fp32 scale
     [..., r, 1] per component. With ``u8``, components past the first ``u8`` get 4-bit codes (their
     own scales, folded alike) packed two to a byte after the 8-bit ones: the SVD orders components by
-    size, so the trailing ones' coarser rounding is small against the leading ones'. Returns (U_q, B,
-    B's scale or None, number of 4-bit components)."""
+    size, so the trailing ones' coarser rounding is small against the leading ones'. With
+    ``head_bits=6`` the leading components get 6-bit codes, packed four to three bytes (``head_codes``
+    says whether they can). Returns (U_q, B, B's scale or None, number of 4-bit components, leading
+    codes' bits)."""
     tail = u_tail(u.shape[-1], u8)
     head = u.shape[-1] - tail
-    u_q, su = _int8(u[..., :head], dim=-2)
+    bits = head_codes(u.shape[-1], u8, head_bits)
+    u_q, su = _int8(u[..., :head], dim=-2, top=2 ** (bits - 1) - 1)
+    if bits == 6:
+        u_q = pack_sixes(u_q).view(torch.int8)
     if tail:
         u_4, s4 = _int8(u[..., head:], dim=-2, top=7)
         u_q, su = torch.cat([u_q, pack_nibbles(u_4).view(torch.int8)], -1), torch.cat([su, s4], -1)
     b = b * su.transpose(-1, -2)
     if not int8_basis:
-        return u_q, b.to(torch.bfloat16), None, tail
+        return u_q, b.to(torch.bfloat16), None, tail, bits
     b_q, sb = _int8(b, dim=-1)
-    return u_q, b_q, sb.float(), tail
+    return u_q, b_q, sb.float(), tail, bits
 
 
 def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
              dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
              key_bits: int = 0, first_layer: int = 0, small_rows: bool = False,
-             u8: int | None = None, small_bits: int = 8) -> LowRankDelta:
+             u8: int | None = None, small_bits: int = 8, head_bits: int = 8) -> LowRankDelta:
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
     Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
@@ -362,8 +396,9 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     (``quant_rows.channel_scale``); no SVD runs for a side kept as rows. With ``small_rows`` and int8
     factors, a factored side whose factors would take more bytes than its rows as 8-bit rows keeps
     those rows instead (``rows_are_smaller``), quantized to ``small_bits``. With int8 factors and
-    ``u8``, U's components past the first ``u8`` are stored as 4-bit codes (``_quantized``). Layers
-    before ``first_layer`` are dropped: the state corrects nothing there.
+    ``u8``, U's components past the first ``u8`` are stored as 4-bit codes, and with ``head_bits=6``
+    the first ones as 6-bit codes (``_quantized``). Layers before ``first_layer`` are dropped: the
+    state corrects nothing there.
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")
@@ -380,14 +415,17 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     small = small_rows and dtype == torch.int8
     if small and small_bits not in BITS:
         raise ValueError(f"small_bits must be one of {BITS}, got {small_bits!r}")
+    if head_bits not in (6, 8):
+        raise ValueError(f"head_bits must be 6 or 8, got {head_bits!r}")
     if small and not key_bits and rows_are_smaller(dk.shape[2], dk.shape[3], rank, channels=True):
         key_bits = small_bits
     if small and not value_bits and rows_are_smaller(dv.shape[2], dv.shape[3], rank, channels=False):
         value_bits = small_bits
-    uk, bk, sk, rk, ck, tk = _side(dk[first_layer:], rank, dtype, int8_basis, key_bits, u8, channels=True)
-    uv, bv, sv, rv, cv, tv = _side(dv[first_layer:], rank, dtype, int8_basis, value_bits, u8, channels=False)
+    uk, bk, sk, rk, ck, tk, hk = _side(dk[first_layer:], rank, dtype, int8_basis, key_bits, u8, head_bits, True)
+    uv, bv, sv, rv, cv, tv, hv = _side(dv[first_layer:], rank, dtype, int8_basis, value_bits, u8, head_bits, False)
     return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck, cv=cv, first_layer=first_layer,
-                        tk=tk, tv=tv, qk=key_bits if rk is not None else 0, qv=value_bits if rv is not None else 0)
+                        tk=tk, tv=tv, qk=key_bits if rk is not None else 0, qv=value_bits if rv is not None else 0,
+                        hk=hk, hv=hv)
 
 
 # The yardstick of rows_are_smaller, whatever bits the rows it picks are then stored in (small_bits):
@@ -409,29 +447,30 @@ def rows_are_smaller(rows: int, dim: int, rank: int, channels: bool) -> bool:
 
 
 def _side(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, bits: int, u8: int | None,
-          channels: bool) -> tuple:
-    """(U, B, B's scale, row scales, channel scales, 4-bit components) of one side: quantized rows with
-    ``bits`` (B the identity; ``channels`` divides each channel by its scale first), else factored."""
+          head_bits: int, channels: bool) -> tuple:
+    """(U, B, B's scale, row scales, channel scales, 4-bit components, leading codes' bits or 0) of one
+    side: quantized rows with ``bits`` (B the identity; ``channels`` divides each channel by its scale
+    first), else factored."""
     if not bits:
-        u, b, sb, tail = _factored(d, rank, dtype, int8_basis, u8)
-        return u, b, sb, None, None, tail
+        u, b, sb, tail, head = _factored(d, rank, dtype, int8_basis, u8, head_bits)
+        return u, b, sb, None, None, tail, head
     c = channel_scale(d) if channels else None
     u, r = quantize_rows(d if c is None else normalized(d, c), bits)
-    return u, None, None, r, c, 0
+    return u, None, None, r, c, 0, 0
 
 
-def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool,
-              u8: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
-    """(U, B, B's scale or None, 4-bit components) of one side, stored in ``dtype``."""
+def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, u8: int | None,
+              head_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
+    """(U, B, B's scale or None, 4-bit components, leading codes' bits or 0) of one side, stored in ``dtype``."""
     if dtype == torch.int8:
-        return _quantized(*_truncated(d, rank, torch.float32), int8_basis, u8)
-    return (*_truncated(d, rank, dtype), None, 0)
+        return _quantized(*_truncated(d, rank, torch.float32), int8_basis, u8, head_bits)
+    return (*_truncated(d, rank, dtype), None, 0, 0)
 
 
 def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
                    dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
                    key_bits: int = 0, first_layer: int = 0, small_rows: bool = False,
-                   u8: int | None = None, small_bits: int = 8) -> list[LowRankDelta]:
+                   u8: int | None = None, small_bits: int = 8, head_bits: int = 8) -> list[LowRankDelta]:
     """Compress several segments' deviations (each [L, KVH, R_i, D]) against one shared basis.
 
     The segments an agent corrects in one request deviate for the same reason (its own prefix), so
@@ -443,7 +482,7 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
         raise ValueError("compress_joint needs one dk, dv and rows per segment")
     dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
     joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype, int8_basis,
-                     value_bits, key_bits, first_layer, small_rows, u8, small_bits)   # split below
+                     value_bits, key_bits, first_layer, small_rows, u8, small_bits, head_bits)   # split below
     out, offset = [], 0
     for r in rows:
         n = r.numel()
@@ -469,6 +508,20 @@ def strongest_rows(dks: list[torch.Tensor], dvs: list[torch.Tensor], keep: float
     chosen = torch.zeros_like(flat, dtype=torch.bool)
     chosen[order[before < keep * flat.sum()]] = True
     return list(chosen.split([e.numel() for e in energy]))
+
+
+def faint_layers(dks: list[torch.Tensor], dvs: list[torch.Tensor], share: float) -> int:
+    """How many leading layers of several segments' deviations (each [L, KVH, R_i, D]) hold together at
+    most ``share`` of the keys' squared deviation and at most ``share`` of the values' (each side
+    against its own total, summed over the segments). Deviations grow with depth (a few hundredths of a
+    percent of the energy in layer 1, most of it past the middle), so the first layers' corrections
+    cost as many bytes as the last ones' for far less correction."""
+    if share <= 0.0 or not dks:
+        return 0
+    per_layer = [sum((d.float() ** 2).sum((1, 2, 3)) for d in ds).double() for ds in (dks, dvs)]
+    within = [(e.cumsum(0) <= share * e.sum()) for e in per_layer]
+    ok = (within[0] & within[1]).long()
+    return int(ok.cumprod(0).sum())                     # the leading run of layers within the share
 
 
 def unique_nbytes(deltas: Iterable[LowRankDelta], bases_only: bool = False) -> int:
@@ -524,7 +577,7 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
         return compress(dk, dv, rows, rank, dtype=factored.u.dtype,
                         int8_basis=first.sk is not None or first.sv is not None,
                         value_bits=first.value_coeffs().bits, key_bits=first.key_coeffs().bits,
-                        first_layer=min(d.first_layer for d in deltas), u8=u8)
+                        first_layer=min(d.first_layer for d in deltas), u8=u8, head_bits=factored.head or 8)
 
     def scatter_u(us: list[torch.Tensor]) -> torch.Tensor:
         # Each delta's U gets its own rank columns; rows it does not correct stay zero.

@@ -37,6 +37,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.small_rows=False: factor small corrections too (the storage before it)")
     parser.add_argument("--small-row-bits", type=int, choices=ROW_BITS, default=None,
                         help="EngineConfig.small_row_bits: code bits of small corrections' rows (engine default)")
+    parser.add_argument("--u-head-bits", type=int, choices=(6, 8), default=None,
+                        help="EngineConfig.u_head_bits: code bits of U's leading components (engine default)")
+    parser.add_argument("--uncorrected-energy", type=float, default=None,
+                        help="EngineConfig.uncorrected_energy: leading layers' share of the deviation left "
+                             "uncorrected (engine default)")
     parser.add_argument("--correction-dtype", choices=CORRECTION_DTYPES, default=None,
                         help="EngineConfig.correction_dtype of the factors (engine default)")
     parser.add_argument("--u8-components", type=_u8, default=None,
@@ -68,6 +73,10 @@ def storage_of(args: argparse.Namespace) -> dict:
         out["u8_components"] = None if args.u8_components == "all" else args.u8_components
     if args.small_row_bits is not None:
         out["small_row_bits"] = args.small_row_bits
+    if args.u_head_bits is not None:
+        out["u_head_bits"] = args.u_head_bits
+    if args.uncorrected_energy is not None:
+        out["uncorrected_energy"] = args.uncorrected_energy
     return out
 
 

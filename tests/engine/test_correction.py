@@ -252,32 +252,36 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     """Factors keep U in int8 (B in bf16, carrying U's scales) for keys and values ("int8"); value_bits=4
     keeps the values as 4-bit rows instead (one bf16 scale per row, no B_v), key_bits=4 the keys too
     (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too, and the default
-    u8_components=28 with it stores U's last 12 components as 4-bit codes ("lean", the default
-    storage). The default small_rows keeps this small correction's rows, in fewer bytes than its
-    factors: in 6 bits (default small_row_bits), three quarters of the 8-bit rows' bytes. Each stays far
-    closer to exact than the same reuse uncorrected."""
+    u8_components=28 with it stores U's last 12 components as 4-bit codes ("lean", with
+    u_head_bits=8), and the default u_head_bits=6 its leading 28 in 6 bits. The default small_rows
+    keeps this small correction's rows, in fewer bytes than its factors: in 6 bits (default
+    small_row_bits), three quarters of the 8-bit rows' bytes. Each stays far closer to exact than the
+    same reuse uncorrected. (Every layer from 1 is stored here: uncorrected_energy=0.)"""
     history = await conversation(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
     factors = {"small_rows": False}
-    int8 = {"correction_dtype": "int8", "u8_components": None}          # the storage before 4-bit tails
+    int8 = {"correction_dtype": "int8", "u8_components": None, "u_head_bits": 8}   # before 4-bit tails
     kinds = {"int8": {**int8, **factors}, "value_rows": {"value_bits": 4, **int8, **factors},
              "key_rows": {"key_bits": 4, "value_bits": 4, **int8},
-             "int8_basis": {"correction_dtype": "int8_basis", "u8_components": None, **factors},
-             "lean": factors, "bfloat16": {"correction_dtype": "bfloat16"},
+             "int8_basis": {**int8, "correction_dtype": "int8_basis", **factors},
+             "lean": {**factors, "u_head_bits": 8}, "bfloat16": {"correction_dtype": "bfloat16"},
              "float32": {"correction_dtype": "float32"}, "small_rows": {**int8, "small_row_bits": 8},
-             "small_rows6": int8}
+             "small_rows6": int8, "head6": factors}
     assert (EngineConfig().correction_dtype, EngineConfig().value_bits, EngineConfig().key_bits,
             EngineConfig().small_rows, EngineConfig().small_row_bits,
-            EngineConfig().u8_components) == ("int8_basis", 0, 0, True, 6, 28)
+            EngineConfig().u8_components, EngineConfig().u_head_bits) == ("int8_basis", 0, 0, True, 6, 28, 6)
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="u8_components"):
             EngineConfig(u8_components=bad)
     for bad in (0, 5, 7, True):
         with pytest.raises(ValueError, match="small_row_bits"):
             EngineConfig(small_row_bits=bad)
+    for bad in (0, 4, 7, True):
+        with pytest.raises(ValueError, match="u_head_bits"):
+            EngineConfig(u_head_bits=bad)
     for kind, knobs in kinds.items():
-        eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, **knobs))
+        eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, uncorrected_energy=0.0, **knobs))
         try:
             await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
             outs[kind] = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
@@ -300,6 +304,7 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     assert dtypes["int8_basis"] == dtypes["lean"] == ({torch.int8}, {torch.int8}, {torch.int8}, {torch.int8})
     assert all(s.tk == s.tv == 0 for s in states["int8_basis"])
     assert all(s.rank == 40 and s.tk == s.tv == 12 and s.uk.shape[-1] == 34 for s in states["lean"])
+    assert all(s.rank == 40 and s.hk == s.hv == 6 and s.uk.shape[-1] == 21 + 6 for s in states["head6"])
     assert dtypes["bfloat16"][0] == {torch.bfloat16} and dtypes["float32"][0] == {torch.float32}
     assert dtypes["small_rows"] == ({torch.int8}, {None}, {torch.int8}, {None})
     assert all(s.rk is not None and s.ck is not None and s.rv is not None for s in states["small_rows"])
@@ -317,7 +322,7 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     assert total["key_rows"] < 0.85 * total["value_rows"] < 0.85 ** 2 * total["int8"]
     assert total["small_rows"] < total["int8"]
     assert 0.7 * total["small_rows"] < total["small_rows6"] < 0.8 * total["small_rows"]
-    assert total["lean"] < total["int8_basis"] < total["int8"]
+    assert total["head6"] < total["lean"] < total["int8_basis"] < total["int8"]
     exact = await engine.generate(prompt("coder", history), agent="c-exact", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="none"))
     off = {k: kl(exact.logits[0], o.logits[0]) for k, o in outs.items()}
@@ -398,6 +403,39 @@ async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine)
     assert kl(exact.logits[0], outs[default][1].logits[0]) < 0.01
     with pytest.raises(ValueError, match="correction_energy"):
         EngineConfig(correction_energy=0.0)
+
+
+async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
+    """uncorrected_energy > 0 (default 0.01) leaves out the leading layers that hold that share of a
+    request's deviation (keys and values each): its states start at a later layer, in fewer bytes,
+    the layers are counted in the stats, recomputed_tokens is unchanged, and the turn stays close to
+    exact."""
+    history = await conversation(engine, turns=2)
+    later = history + [{"role": "user", "content": "[reviewer] Please also handle quoted fields."}]
+    opts = ReuseOptions(reuse="kvcmas")
+    stats, outs, firsts = {}, {}, {}
+    default = EngineConfig().uncorrected_energy
+    assert default == 0.01
+    for share in (0.0, default):
+        eng = Engine(EngineConfig(reuse="kvcmas", uncorrected_energy=share, prefetch=False))
+        try:
+            await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
+            first = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
+            again = await eng.generate(prompt("coder", later), agent="c", sampling=FIRST, reuse_options=opts)
+            stats[share], outs[share] = eng.stats(), (first, again)
+            firsts[share] = {c.own.first_layer for c in eng.scheduler.segments._corrections.values()}
+            if share:
+                await assert_closer_than_naive(engine, eng, prompt("coder", later), again)
+        finally:
+            eng.close()
+    assert firsts[0.0] == {UNCORRECTED_LAYERS} and min(firsts[default]) > UNCORRECTED_LAYERS
+    assert stats[0.0]["correction_layers_dropped"] == 0 < stats[default]["correction_layers_dropped"]
+    assert stats[default]["uncorrected_energy"] == default
+    assert stats[default]["correction_bytes"] < stats[0.0]["correction_bytes"]
+    assert outs[default][0].usage.recomputed_tokens == outs[0.0][0].usage.recomputed_tokens > 0
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="uncorrected_energy"):
+            EngineConfig(uncorrected_energy=bad)
 
 
 @pytest.mark.parametrize("name", ["value_bits", "key_bits"])

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvcmas_agents.engine.lowrank import (Coeffs, LowRankDelta, apply_to, captured_energy, compose, compress,
-                                          compress_joint, rows_are_smaller, strongest_rows, unique_nbytes)
+                                          compress_joint, faint_layers, rows_are_smaller, strongest_rows,
+                                          unique_nbytes)
 
 L, KVH, D = 3, 2, 16
 
@@ -221,6 +222,24 @@ def test_strongest_rows_keep_the_requested_energy_with_the_fewest_rows():
     masks = strongest_rows([a, b], [a, b], 0.9)
     assert masks[0].tolist() == [False, True, False, False, True, False] and not masks[1].any()
     assert all(m.all() for m in strongest_rows([a, b], [a, b], 1.0))
+
+
+def test_faint_layers_count_the_leading_layers_within_the_share_of_each_side():
+    """The leading layers whose keys' and values' squared deviations (summed over segments) stay
+    together within the share of each side's own total."""
+    g = torch.Generator().manual_seed(6)
+    size = torch.tensor([0.01, 0.02, 0.05, 1.0, 0.001, 1.0]).view(-1, 1, 1, 1)     # 6 layers
+    dks = [size * torch.randn(6, KVH, n, D, generator=g) for n in (5, 9)]
+    dvs = [d.flip(-1) for d in dks]
+    energy = sum((d ** 2).sum((1, 2, 3)) for d in dks)
+    share = energy.cumsum(0) / energy.sum()
+    assert share[2] < 0.01 < share[3]
+    assert faint_layers(dks, dvs, 0.01) == 3
+    assert faint_layers(dks, dvs, float(share[0]) / 2) == 0 == faint_layers(dks, dvs, 0.0)
+    assert faint_layers(dks, dvs, float(share[4]) + 1e-6) == 5          # cumulative: the strong layer 3 too
+    loud = [d.clone() for d in dvs]
+    loud[0][:3] *= 100                                                   # the values' leading layers are strong
+    assert faint_layers(dks, loud, 0.01) == 0
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -454,3 +473,39 @@ def test_u8_components_store_the_trailing_components_as_4_bit_codes():
     assert parts[0].to("cpu").tk == 4 and compose([tailed], rank=8).tk == 4
     with pytest.raises(ValueError, match="pairs"):
         LowRankDelta(tailed.rows, tailed.uk, tailed.bk, tailed.uv, tailed.bv, tk=3, tv=4)
+
+
+def test_head_bits_6_packs_the_leading_components_four_to_three_bytes():
+    """head_bits=6: an int8 U's leading (not 4-bit) components are 6-bit codes (-31..31, each with its
+    own scale folded into B), four in three bytes; the 4-bit tail stays as it was. Between 8-bit and
+    4-bit leading codes in error; a count of leading components not divisible by four keeps 8 bits."""
+    g = torch.Generator().manual_seed(12)
+    basis = torch.linalg.qr(torch.randn(L, KVH, D, D, generator=g))[0]
+    coef = torch.randn(L, KVH, 64, D, generator=g) * 0.8 ** torch.arange(D)
+    dk, dv = coef @ basis.transpose(-1, -2), (coef @ basis.transpose(-1, -2)).flip(-1)
+    rows = torch.arange(64) * 2
+    eight = compress(dk, dv, rows, 12, torch.int8, int8_basis=True, u8=8)
+    six = compress(dk, dv, rows, 12, torch.int8, int8_basis=True, u8=8, head_bits=6)
+    assert (eight.hk, six.hk, six.hv, six.tk) == (8, 6, 6, 4)
+    assert six.uk.shape == (L, KVH, 64, 6 + 2) and six.rank == six.key_coeffs().rank == 12
+    assert eight.nbytes - six.nbytes == 2 * L * KVH * 64 * 2             # 8 -> 6 bytes a row, per side
+    codes = six.key_coeffs().at()
+    assert torch.equal(codes, codes.round()) and codes[..., :8].abs().amax(dim=-2).min() == 31
+    assert torch.equal(codes[..., 8:], eight.key_coeffs().at()[..., 8:])  # the 4-bit tail is untouched
+    four = compress(dk, dv, rows, 12, torch.int8, int8_basis=True, u8=0)  # every component 4-bit
+    assert _rel_err(eight, dk, dv) < _rel_err(six, dk, dv) < _rel_err(four, dk, dv)
+    # Joined, moved, split over a joint basis and recompressed, the codes keep their bits.
+    parts = compress_joint([dk[:, :, :30], dk[:, :, 30:]], [dv[:, :, :30], dv[:, :, 30:]],
+                           [rows[:30], rows[30:]], 12, torch.int8, int8_basis=True, u8=8, head_bits=6)
+    assert all(p.hk == p.hv == 6 for p in parts)
+    joined = Coeffs.joined([p.value_coeffs() for p in parts], 1)
+    torch.testing.assert_close(joined, torch.cat([p.value_coeffs().at(1) for p in parts], dim=1), rtol=0, atol=0)
+    mixed = Coeffs.joined([six.key_coeffs(), eight.key_coeffs()], 2)
+    assert torch.equal(mixed, torch.cat([six.key_coeffs().at(2), eight.key_coeffs().at(2)], dim=1))
+    assert six.to("cpu").hk == 6 and compose([six], rank=12).hk == 6
+    # 10 leading components do not pack in whole bytes: they keep 8 bits.
+    assert compress(dk, dv, rows, 14, torch.int8, u8=10, head_bits=6).hk == 8
+    with pytest.raises(ValueError, match="head_bits"):
+        compress(dk, dv, rows, 12, torch.int8, head_bits=4)
+    with pytest.raises(ValueError, match="leading components"):
+        replace(eight, hk=6)                                  # 8 int8 columns are not 6-bit codes
