@@ -12,8 +12,10 @@ wrapping ``engine.correction``'s ``compress`` and ``compress_joint``). Reports, 
   6 and 4 bits lose, against their own rank-r SVD, and against projecting them on the basis of
   their agent's latest factored correction (could requests share bases?);
 - on the factored corrections: how many components a rank allocated over layers and KV heads by
-  energy would need to lose as much as rank r everywhere.
-Energies are over the stored layers (from ``UNCORRECTED_LAYERS`` on). A dev probe: figures, not speed.
+  energy would need to lose as much as rank r everywhere;
+- each layer's share of the deviations' energy (keys and values), and from which layer the engine's
+  ``uncorrected_energy`` rule (``lowrank.faint_layers``) stores each request's corrections.
+Energies are over the storable layers (from ``UNCORRECTED_LAYERS`` on). A dev probe: figures, not speed.
 """
 from __future__ import annotations
 
@@ -30,13 +32,14 @@ import torch
 from kvcmas_agents.bench.methods import METHODS
 from kvcmas_agents.bench.traces import get_traces
 from kvcmas_agents.engine import Engine, correction
-from kvcmas_agents.engine.lowrank import captured_energy, compress, rows_are_smaller, unique_nbytes
+from kvcmas_agents.engine.lowrank import captured_energy, compress, faint_layers, rows_are_smaller, unique_nbytes
 from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
 from kvcmas_agents.fidelity.conversation import run_exact_and_close
 from kvcmas_agents.fidelity.replay import replay
 from kvcmas_agents.fidelity.scenarios import declare_systems
 
 ROW_BITS = (8, 6, 4)
+UNCORRECTED = correction.UNCORRECTED_LAYERS
 
 
 @contextmanager
@@ -102,8 +105,23 @@ def allocation(spectra: list[torch.Tensor], rank: int) -> tuple[int, int]:
     return uniform, needed
 
 
-def analyse(calls: list[dict[str, Any]], rank: int, first: int) -> dict[str, Any]:
-    """The storage figures of captured deviations (stored layers from ``first`` on)."""
+def layer_energy(calls: list[dict[str, Any]], share: float) -> dict[str, Any]:
+    """Each layer's share of the captured deviations' squared norm (keys, values), and how many requests
+    ``faint_layers`` at ``share`` has start their corrections at each layer (layer 0 never stored)."""
+    out: dict[str, Any] = {}
+    for s in ("dk", "dv"):
+        e = sum(c[s].double().pow(2).sum((1, 2, 3)) for c in calls)
+        out[s] = (e / e.sum()).tolist()
+    starts = defaultdict(int)
+    for c in calls:
+        starts[max(UNCORRECTED, faint_layers([c["dk"]], [c["dv"]], share))] += 1
+    out["uncorrected_energy"], out["first_layers"] = share, dict(sorted(starts.items()))
+    return out
+
+
+def analyse(calls: list[dict[str, Any]], rank: int, first: int, faint: float = 0.0) -> dict[str, Any]:
+    """The storage figures of captured deviations (storable layers from ``first`` on; ``faint``: the
+    engine's uncorrected_energy)."""
     stored = [{**c, "dk": c["dk"][first:], "dv": c["dv"][first:]} for c in calls]
     for c in stored:
         c["small"] = rows_are_smaller(c["rows"], c["dk"].shape[-1], rank, channels=True)
@@ -133,6 +151,8 @@ def analyse(calls: list[dict[str, Any]], rank: int, first: int) -> dict[str, Any
             out["small_lost"]["agent_basis"] = {s: sum(x * w for x, w in v) / sum(w for _, w in v)
                                                 for s, v in shared.items()}
             out["small_lost"]["agent_basis_requests"] = len(shared["dk"])
+    if calls:
+        out["layers"] = layer_energy(calls, faint)
     for s in ("dk", "dv"):
         if large:
             uniform, needed = allocation([torch.linalg.svdvals(c[s].double()) for c in large], rank)
@@ -190,14 +210,16 @@ async def probe(preset: str, trace_name: str, dtype: str | None) -> dict[str, An
             await engine.aclose()
         cfg = engine.config
         return {"preset": preset, "trace": trace_name, "dtype": stats["dtype"], "rank": cfg.rank,
-                "small_row_bits": cfg.small_row_bits, "correction_mib": stats["correction_bytes"] / 2**20,
+                "small_row_bits": cfg.small_row_bits, "u_head_bits": cfg.u_head_bits,
+                "uncorrected_energy": cfg.uncorrected_energy, "correction_mib": stats["correction_bytes"] / 2**20,
                 "basis_mib": stats["correction_basis_bytes"] / 2**20, "held": summarize_held(items),
-                "deviations": analyse(calls, cfg.rank, correction.UNCORRECTED_LAYERS)}
+                "deviations": analyse(calls, cfg.rank, UNCORRECTED, cfg.uncorrected_energy)}
 
 
 def markdown(r: dict[str, Any]) -> str:
     lines = [f"# storage probe: {r['trace']} ({r['preset']}, {r['dtype']}), rank {r['rank']}, "
-             f"small rows in {r['small_row_bits']} bits", "",
+             f"small rows in {r['small_row_bits']} bits, U's leading components in {r['u_head_bits']} bits, "
+             f"uncorrected_energy {r['uncorrected_energy']}", "",
              f"Corrections held at the end: {r['correction_mib']:.1f} MiB (bases {r['basis_mib']:.1f}).", "",
              "| states | segments | rows | MiB without bases |", "|---|---|---|---|"]
     lines += [f"| {k} | {v['segments']} | {v['rows']} | {v['mib']:.1f} |" for k, v in sorted(r["held"].items())]
@@ -207,6 +229,15 @@ def markdown(r: dict[str, Any]) -> str:
     if "small_lost" in d:
         lines += ["| small corrections stored as | key energy lost | value energy lost |", "|---|---|---|"]
         lines += [f"| {k} | {v['dk']:.4%} | {v['dv']:.4%} |" for k, v in d["small_lost"].items() if isinstance(v, dict)]
+    if "layers" in d:
+        e = d["layers"]
+        lines += ["", "| layer | key energy | value energy | keys up to it | values up to it |", "|---|---|---|---|---|"]
+        ck = cv = 0.0
+        for i, (k, v) in enumerate(zip(e["dk"], e["dv"])):
+            ck, cv = ck + k, cv + v
+            lines.append(f"| {i} | {k:.3%} | {v:.3%} | {ck:.3%} | {cv:.3%} |")
+        lines.append(f"\nFirst stored layer per request at uncorrected_energy={e['uncorrected_energy']}: "
+                     + ", ".join(f"{k}: {v}" for k, v in e["first_layers"].items()) + ".")
     for s, name in (("dk", "keys"), ("dv", "values")):
         a = d.get(f"allocation_{s}")
         if a:

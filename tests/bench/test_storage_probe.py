@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from benchmarks.storage_probe import allocation, analyse, main, projection_loss, rows_loss, svd_basis
+from benchmarks.storage_probe import allocation, analyse, layer_energy, main, projection_loss, rows_loss, svd_basis
 
 
 def test_rows_lose_more_with_fewer_bits_and_channel_scales_help_keys():
@@ -43,6 +43,18 @@ def test_analyse_splits_small_from_factored_deviations():
     assert out["small_lost"]["agent_basis_requests"] == 1
     assert lost["agent_basis"]["dv"] > lost["svd40"]["dv"]       # unrelated noise: another basis fits worse
     assert out["allocation_dk"]["uniform"] == 2 * 2 * 40
+    assert out["layers"]["first_layers"] == {1: 2}                   # faint=0: every request from layer 1
+    assert abs(sum(out["layers"]["dk"]) - 1) < 1e-9
+
+
+def test_layer_energy_places_the_first_stored_layer_past_the_faint_ones():
+    torch.manual_seed(3)
+    size = torch.tensor([0.0, 0.01, 0.01, 1.0, 1.0]).view(-1, 1, 1, 1)
+    calls = [{"dk": size * torch.randn(5, 2, 30, 8), "dv": size * torch.randn(5, 2, 30, 8)} for _ in range(3)]
+    out = layer_energy(calls, 0.01)
+    assert out["dk"][0] == 0 and max(out["dk"][1:3]) < 0.001 < min(out["dk"][3:])
+    assert out["first_layers"] == {3: 3}
+    assert layer_energy(calls, 0.0)["first_layers"] == {1: 3}
 
 
 def test_tiny_run_reports_held_states_and_losses(tmp_path):
@@ -53,4 +65,6 @@ def test_tiny_run_reports_held_states_and_losses(tmp_path):
     assert held["segments"] > 0 and held["rows"] > 0
     assert abs(held["mib"] - (result["correction_mib"] - result["basis_mib"])) < 0.01
     assert result["deviations"]["small_rows"] > 0
-    assert "| rows6 |" in (tmp_path / "storage_probe.md").read_text()
+    md = (tmp_path / "storage_probe.md").read_text()
+    assert "| rows6 |" in md and "First stored layer per request at uncorrected_energy=0.005" in md
+    assert result["u_head_bits"] == 6 and sum(result["deviations"]["layers"]["first_layers"].values()) > 0
