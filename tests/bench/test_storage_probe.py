@@ -66,5 +66,5 @@ def test_tiny_run_reports_held_states_and_losses(tmp_path):
     assert abs(held["mib"] - (result["correction_mib"] - result["basis_mib"])) < 0.01
     assert result["deviations"]["small_rows"] > 0
     md = (tmp_path / "storage_probe.md").read_text()
-    assert "| rows6 |" in md and "First stored layer per request at uncorrected_energy=0.005" in md
+    assert "| rows6 |" in md and "First stored layer per request at uncorrected_energy=0.01" in md
     assert result["u_head_bits"] == 6 and sum(result["deviations"]["layers"]["first_layers"].values()) > 0

@@ -406,7 +406,7 @@ async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine)
 
 
 async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
-    """uncorrected_energy > 0 (default 0.005) leaves out the leading layers that hold that share of a
+    """uncorrected_energy > 0 (default 0.01) leaves out the leading layers that hold that share of a
     request's deviation (keys and values each): its states start at a later layer, in fewer bytes,
     the layers are counted in the stats, recomputed_tokens is unchanged, and the turn stays close to
     exact."""
@@ -415,7 +415,7 @@ async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
     opts = ReuseOptions(reuse="kvcmas")
     stats, outs, firsts = {}, {}, {}
     default = EngineConfig().uncorrected_energy
-    assert default == 0.005
+    assert default == 0.01
     for share in (0.0, default):
         eng = Engine(EngineConfig(reuse="kvcmas", uncorrected_energy=share, prefetch=False))
         try:
