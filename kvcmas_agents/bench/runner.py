@@ -105,7 +105,8 @@ class _Bench:
                 memory["cuda_peak_over_pool_bytes"] = int(torch.cuda.max_memory_allocated() - base)
             served = sorted({t.served for t in turns})
             engine_stats = {k: stats.get(k) for k in ("anchors", "anchor_hits", "anchor_misses", "corrections",
-                                                      "correction_rows_dropped", "home_views", "prefetch", "declared")}
+                                                      "correction_rows_dropped", "correction_layers_dropped",
+                                                      "home_views", "prefetch", "declared")}
         finally:
             await engine.aclose()
         return {"method": method.name, "label": method.label, "reuse": method.reuse, "knobs": asdict(method),

@@ -85,8 +85,8 @@ class EngineConfig:
         hold at most this share of its keys' squared deviation and of its values' (layer 0, whose
         deviation is rounding, is never stored); stats()["correction_layers_dropped"] counts the layers
         left out past layer 0. Deviations grow with depth: on the bench pipeline layers 1-4 hold 0.7%
-        of the keys' energy and 0.1% of the values', the last 15 layers most of it. The default 0.01
-        leaves out layers 1 to 2-6 (1 to 3-4 for most requests), and the corrections' bytes fall 14%
+        of the keys' energy and 0.1% of the values', the last 15 layers most of it. With the default 0.01
+        a request's corrections start at layer 3 to 7 (4 to 6 for most), and their bytes fall 14%
         for 3.35 -> 4.06% (keys) and 5.05 -> 5.19% (values) of the energy lost (with 6-bit U codes, dev
         capture). It costs the bench some first-token KL (0.00090 -> 0.0016, agreement 1.00) and meets
         every harness target; 0.005 (1.5 MiB more) lost the harness fan-out's 0.109 near tie (README,

@@ -54,6 +54,7 @@ def test_exact_modes_are_exact_and_reuse_modes_reuse(report):
     assert methods["kvcmas"]["memory"]["correction_bytes"] > methods["kvcmas"]["memory"]["correction_basis_bytes"] > 0
     assert methods["kvcmas"]["engine"]["correction_rows_dropped"] >= 0
     assert methods["naive"]["engine"]["correction_rows_dropped"] == 0
+    assert methods["kvcmas"]["engine"]["correction_layers_dropped"] >= 0 == methods["naive"]["engine"]["correction_layers_dropped"]
     assert methods["kvcmas"]["fidelity"]["first_token_kl_mean"] < methods["naive"]["fidelity"]["first_token_kl_mean"]
 
 
