@@ -374,27 +374,35 @@ async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole()
         await ours.aclose()
 
 
+async def coder_turns(exact_engine: Engine, history: list[dict], later: list[dict], check: bool, **knobs):
+    """A kvcmas engine with ``knobs``: the planner's turn, then the coder's over ``history`` and over
+    ``later``. Returns (stats, coder's first output, its second, the held states); ``check`` asserts
+    the second is closer to exact than naive reuse."""
+    opts = ReuseOptions(reuse="kvcmas")
+    eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, **knobs))
+    try:
+        await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
+        first = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
+        again = await eng.generate(prompt("coder", later), agent="c", sampling=FIRST, reuse_options=opts)
+        if check:
+            await assert_closer_than_naive(exact_engine, eng, prompt("coder", later), again)
+        return eng.stats(), first, again, [c.own for c in eng.scheduler.segments._corrections.values()]
+    finally:
+        eng.close()
+
+
 async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine):
     """correction_energy < 1 (0.95 here; the default 1.0 keeps every row) stores the strongest
     recomputed rows only; the rest are dropped and counted, recomputed_tokens still says what was
     recomputed, and an agent reusing its stored corrections next turn stays much closer to exact."""
     history = await conversation(engine, turns=2)
     later = history + [{"role": "user", "content": "[reviewer] Please also handle quoted fields."}]
-    opts = ReuseOptions(reuse="kvcmas")
-    stats, outs = {}, {}
     assert EngineConfig().correction_energy == 1.0
     default = 0.95
+    stats, outs = {}, {}
     for energy in (1.0, default):
-        eng = Engine(EngineConfig(reuse="kvcmas", correction_energy=energy, prefetch=False))
-        try:
-            await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
-            first = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
-            again = await eng.generate(prompt("coder", later), agent="c", sampling=FIRST, reuse_options=opts)
-            stats[energy], outs[energy] = eng.stats(), (first, again)
-            if energy < 1.0:
-                await assert_closer_than_naive(engine, eng, prompt("coder", later), again)
-        finally:
-            eng.close()
+        stats[energy], *outs[energy], _ = await coder_turns(engine, history, later, energy < 1.0,
+                                                            correction_energy=energy)
     assert stats[1.0]["correction_rows_dropped"] == 0 < stats[default]["correction_rows_dropped"]
     assert stats[default]["correction_bytes"] < stats[1.0]["correction_bytes"]
     assert outs[default][0].usage.recomputed_tokens == outs[1.0][0].usage.recomputed_tokens > 0
@@ -412,22 +420,13 @@ async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
     exact."""
     history = await conversation(engine, turns=2)
     later = history + [{"role": "user", "content": "[reviewer] Please also handle quoted fields."}]
-    opts = ReuseOptions(reuse="kvcmas")
-    stats, outs, firsts = {}, {}, {}
     default = EngineConfig().uncorrected_energy
     assert default == 0.01
+    stats, outs, firsts = {}, {}, {}
     for share in (0.0, default):
-        eng = Engine(EngineConfig(reuse="kvcmas", uncorrected_energy=share, prefetch=False))
-        try:
-            await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
-            first = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
-            again = await eng.generate(prompt("coder", later), agent="c", sampling=FIRST, reuse_options=opts)
-            stats[share], outs[share] = eng.stats(), (first, again)
-            firsts[share] = {c.own.first_layer for c in eng.scheduler.segments._corrections.values()}
-            if share:
-                await assert_closer_than_naive(engine, eng, prompt("coder", later), again)
-        finally:
-            eng.close()
+        stats[share], *outs[share], held = await coder_turns(engine, history, later, share > 0,
+                                                             uncorrected_energy=share)
+        firsts[share] = {s.first_layer for s in held}
     assert firsts[0.0] == {UNCORRECTED_LAYERS} and min(firsts[default]) > UNCORRECTED_LAYERS
     assert stats[0.0]["correction_layers_dropped"] == 0 < stats[default]["correction_layers_dropped"]
     assert stats[default]["uncorrected_energy"] == default
