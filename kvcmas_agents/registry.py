@@ -1,6 +1,7 @@
 """Process-wide engines: every client naming the same model shares one engine."""
 from __future__ import annotations
 
+import atexit
 import threading
 from dataclasses import replace
 from typing import Any
@@ -47,3 +48,9 @@ def close_all() -> None:
         _engines.clear()
     for engine in engines:
         engine.close()
+
+
+# A shared engine's worker is a daemon thread, and it may be mid-step (say, an ahead-of-time
+# correction) when the interpreter exits; torch torn down under it aborted the process ("terminate
+# called without an active exception"). Closing first lets the worker finish its step and stop.
+atexit.register(close_all)
