@@ -227,23 +227,24 @@ class Coeffs:
     def joined(us: list["Coeffs"], layer: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Several U factors' ``at(layer)`` side by side [KVH, sum R_i, r]. Plain factors (int8 by
         default) are joined before one cast: a decode step reads every state of its view in every layer,
-        and a cast per state was a fifth of a kvcmas decode step's op time on CPU."""
+        and a cast per state was a fifth of a kvcmas decode step's op time on CPU. States may start at
+        different layers (``uncorrected_energy``): a layer that every one of them stores is joined too."""
         if len(us) == 1:
             return us[0].at(layer, dtype)
-        first = us[0].first
-        if layer < first or any(u.first != first for u in us):
+        if any(layer < u.first for u in us):
             return torch.cat([u.at(layer, dtype) for u in us], dim=1)
-        i = layer - first
+        idx = [layer - u.first for u in us]
         if all(u.scale is None and u.tail == us[0].tail and u.head == us[0].head for u in us):
-            return _plain(torch.cat([u.u[i] for u in us], dim=1), us[0].tail, dtype, us[0].head)
+            return _plain(torch.cat([u.u[i] for u, i in zip(us, idx)], dim=1), us[0].tail, dtype, us[0].head)
         if all(u.scale is not None and u.bits == us[0].bits for u in us):
             # quantized rows (small corrections, or key_bits/value_bits): one dequantization, then
             # each state's channel scales over its own rows
-            rows = dequantize_rows(torch.cat([u.u[i] for u in us], dim=1), torch.cat([u.scale[i] for u in us], dim=1),
-                                   dtype, us[0].bits)
+            rows = dequantize_rows(torch.cat([u.u[i] for u, i in zip(us, idx)], dim=1),
+                                   torch.cat([u.scale[i] for u, i in zip(us, idx)], dim=1), dtype, us[0].bits)
             if any(u.channel is not None for u in us):
                 rows.mul_(torch.cat([(u.channel[i] if u.channel is not None else rows.new_ones(1, 1, 1))
-                                     .to(dtype).expand(rows.shape[0], u.num_rows, rows.shape[2]) for u in us], dim=1))
+                                     .to(dtype).expand(rows.shape[0], u.num_rows, rows.shape[2])
+                                     for u, i in zip(us, idx)], dim=1))
             return rows
         return torch.cat([u.at(layer, dtype) for u in us], dim=1)
 

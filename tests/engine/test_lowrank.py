@@ -509,3 +509,20 @@ def test_head_bits_6_packs_the_leading_components_four_to_three_bytes():
         compress(dk, dv, rows, 12, torch.int8, head_bits=4)
     with pytest.raises(ValueError, match="leading components"):
         replace(eight, hk=6)                                  # 8 int8 columns are not 6-bit codes
+
+
+@pytest.mark.parametrize("kind", ["factors", "rows"])
+def test_joined_reads_states_that_start_at_different_layers(kind):
+    """States of a view may leave out different leading layers (uncorrected_energy): joined gives
+    each layer what the states give one by one, zeros where a state stores nothing."""
+    dk, dv = _devs(20)
+    rows = torch.arange(20)
+    knobs = {"u8": 4, "head_bits": 6} if kind == "factors" else {"key_bits": 6, "value_bits": 6}
+    states = [compress(dk, dv, rows, 8, torch.int8, first_layer=f, **knobs) for f in (1, 2, 1)]
+    assert [s.first_layer for s in states] == [1, 2, 1]
+    for side in ("key_coeffs", "value_coeffs"):
+        us = [getattr(s, side)() for s in states]
+        for layer in range(L):
+            want = torch.cat([u.at(layer) for u in us], dim=1)
+            assert torch.equal(Coeffs.joined(us, layer), want), (side, layer)
+        assert not Coeffs.joined(us, 1)[:, 20:40].any()         # the second state starts at layer 2
