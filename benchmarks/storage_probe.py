@@ -32,7 +32,8 @@ import torch
 from kvcmas_agents.bench.methods import METHODS
 from kvcmas_agents.bench.traces import get_traces
 from kvcmas_agents.engine import Engine, correction
-from kvcmas_agents.engine.lowrank import captured_energy, compress, faint_layers, rows_are_smaller, unique_nbytes
+from kvcmas_agents.engine.lowrank import (captured_energy, compress, faint_layers, layer_energy, rows_are_smaller,
+                                         unique_nbytes)
 from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
 from kvcmas_agents.fidelity.conversation import run_exact_and_close
 from kvcmas_agents.fidelity.replay import replay
@@ -105,12 +106,12 @@ def allocation(spectra: list[torch.Tensor], rank: int) -> tuple[int, int]:
     return uniform, needed
 
 
-def layer_energy(calls: list[dict[str, Any]], share: float) -> dict[str, Any]:
+def layer_shares(calls: list[dict[str, Any]], share: float) -> dict[str, Any]:
     """Each layer's share of the captured deviations' squared norm (keys, values), and how many requests
     ``faint_layers`` at ``share`` has start their corrections at each layer (layer 0 never stored)."""
     out: dict[str, Any] = {}
     for s in ("dk", "dv"):
-        e = sum(c[s].double().pow(2).sum((1, 2, 3)) for c in calls)
+        e = layer_energy([c[s] for c in calls])
         out[s] = (e / e.sum()).tolist()
     starts = defaultdict(int)
     for c in calls:
@@ -152,7 +153,7 @@ def analyse(calls: list[dict[str, Any]], rank: int, first: int, faint: float = 0
                                                 for s, v in shared.items()}
             out["small_lost"]["agent_basis_requests"] = len(shared["dk"])
     if calls:
-        out["layers"] = layer_energy(calls, faint)
+        out["layers"] = layer_shares(calls, faint)
     for s in ("dk", "dv"):
         if large:
             uniform, needed = allocation([torch.linalg.svdvals(c[s].double()) for c in large], rank)

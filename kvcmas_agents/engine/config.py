@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .lowrank import HEAD_BITS
 from .quant_rows import BITS as ROW_BITS
 
 ReuseMode = Literal["none", "prefix", "naive", "kvcmas", "cacheblend", "kvcomm"]
@@ -196,8 +197,8 @@ class EngineConfig:
             raise ValueError(f"u8_components must be None or an int >= 0, got {self.u8_components!r}")
         if not 0.0 <= self.uncorrected_energy < 1.0:
             raise ValueError(f"uncorrected_energy must be in [0, 1), got {self.uncorrected_energy}")
-        if self.u_head_bits not in (6, 8) or isinstance(self.u_head_bits, bool):
-            raise ValueError(f"u_head_bits must be 6 or 8, got {self.u_head_bits!r}")
+        if self.u_head_bits not in HEAD_BITS or isinstance(self.u_head_bits, bool):
+            raise ValueError(f"u_head_bits must be one of {HEAD_BITS}, got {self.u_head_bits!r}")
         if not isinstance(self.small_rows, bool):
             raise ValueError(f"small_rows must be a bool, got {self.small_rows!r}")
         if self.small_row_bits not in ROW_BITS or isinstance(self.small_row_bits, bool):

@@ -29,6 +29,9 @@ from .quant_rows import (BITS, channel_scale, code_bits, dequantize_rows, normal
                          quantize_rows, row_width, unpack_nibbles, unpack_sixes)
 from .rope import rotate
 
+# Code bits of a factored int8 U's leading components (EngineConfig.u_head_bits): 8, or 6 packed four
+# codes to three bytes.
+HEAD_BITS: tuple[int, ...] = (6, 8)
 
 @dataclass
 class LowRankDelta:
@@ -416,8 +419,8 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
     small = small_rows and dtype == torch.int8
     if small and small_bits not in BITS:
         raise ValueError(f"small_bits must be one of {BITS}, got {small_bits!r}")
-    if head_bits not in (6, 8):
-        raise ValueError(f"head_bits must be 6 or 8, got {head_bits!r}")
+    if head_bits not in HEAD_BITS:
+        raise ValueError(f"head_bits must be one of {HEAD_BITS}, got {head_bits!r}")
     if small and not key_bits and rows_are_smaller(dk.shape[2], dk.shape[3], rank, channels=True):
         key_bits = small_bits
     if small and not value_bits and rows_are_smaller(dv.shape[2], dv.shape[3], rank, channels=False):
@@ -511,6 +514,11 @@ def strongest_rows(dks: list[torch.Tensor], dvs: list[torch.Tensor], keep: float
     return list(chosen.split([e.numel() for e in energy]))
 
 
+def layer_energy(ds: list[torch.Tensor]) -> torch.Tensor:
+    """Squared deviation per layer [L] (fp64), summed over several segments' deviations [L, KVH, R_i, D]."""
+    return sum((d.float() ** 2).sum((1, 2, 3)) for d in ds).double()
+
+
 def faint_layers(dks: list[torch.Tensor], dvs: list[torch.Tensor], share: float) -> int:
     """How many leading layers of several segments' deviations (each [L, KVH, R_i, D]) hold together at
     most ``share`` of the keys' squared deviation and at most ``share`` of the values' (each side
@@ -519,7 +527,7 @@ def faint_layers(dks: list[torch.Tensor], dvs: list[torch.Tensor], share: float)
     cost as many bytes as the last ones' for far less correction."""
     if share <= 0.0 or not dks:
         return 0
-    per_layer = [sum((d.float() ** 2).sum((1, 2, 3)) for d in ds).double() for ds in (dks, dvs)]
+    per_layer = [layer_energy(dks), layer_energy(dvs)]
     within = [(e.cumsum(0) <= share * e.sum()) for e in per_layer]
     ok = (within[0] & within[1]).long()
     return int(ok.cumprod(0).sum())                     # the leading run of layers within the share

@@ -5,7 +5,7 @@ import argparse
 import asyncio
 
 from ..engine import ReuseOptions
-from ..engine.config import CORRECTION_DTYPES, REFERENCES, REUSE_MODES, ROW_BITS, VALUE_BITS
+from ..engine.config import CORRECTION_DTYPES, HEAD_BITS, REFERENCES, REUSE_MODES, ROW_BITS, VALUE_BITS
 from .harness import SweepGrid, run_fidelity
 from .report import history_table, summary_table, sweep_table, write_report
 from .scenarios import DEFAULT_SCENARIOS, SCENARIOS, get_scenario
@@ -37,7 +37,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="EngineConfig.small_rows=False: factor small corrections too (the storage before it)")
     parser.add_argument("--small-row-bits", type=int, choices=ROW_BITS, default=None,
                         help="EngineConfig.small_row_bits: code bits of small corrections' rows (engine default)")
-    parser.add_argument("--u-head-bits", type=int, choices=(6, 8), default=None,
+    parser.add_argument("--u-head-bits", type=int, choices=HEAD_BITS, default=None,
                         help="EngineConfig.u_head_bits: code bits of U's leading components (engine default)")
     parser.add_argument("--uncorrected-energy", type=float, default=None,
                         help="EngineConfig.uncorrected_energy: leading layers' share of the deviation left "

@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from benchmarks.storage_probe import allocation, analyse, layer_energy, main, projection_loss, rows_loss, svd_basis
+from benchmarks.storage_probe import allocation, analyse, layer_shares, main, projection_loss, rows_loss, svd_basis
 
 
 def test_rows_lose_more_with_fewer_bits_and_channel_scales_help_keys():
@@ -47,14 +47,14 @@ def test_analyse_splits_small_from_factored_deviations():
     assert abs(sum(out["layers"]["dk"]) - 1) < 1e-9
 
 
-def test_layer_energy_places_the_first_stored_layer_past_the_faint_ones():
+def test_layer_shares_places_the_first_stored_layer_past_the_faint_ones():
     torch.manual_seed(3)
     size = torch.tensor([0.0, 0.01, 0.01, 1.0, 1.0]).view(-1, 1, 1, 1)
     calls = [{"dk": size * torch.randn(5, 2, 30, 8), "dv": size * torch.randn(5, 2, 30, 8)} for _ in range(3)]
-    out = layer_energy(calls, 0.01)
+    out = layer_shares(calls, 0.01)
     assert out["dk"][0] == 0 and max(out["dk"][1:3]) < 0.001 < min(out["dk"][3:])
     assert out["first_layers"] == {3: 3}
-    assert layer_energy(calls, 0.0)["first_layers"] == {1: 3}
+    assert layer_shares(calls, 0.0)["first_layers"] == {1: 3}
 
 
 def test_tiny_run_reports_held_states_and_losses(tmp_path):

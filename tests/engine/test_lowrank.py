@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvcmas_agents.engine.lowrank import (Coeffs, LowRankDelta, apply_to, captured_energy, compose, compress,
-                                          compress_joint, faint_layers, rows_are_smaller, strongest_rows,
+                                          compress_joint, faint_layers, layer_energy, rows_are_smaller, strongest_rows,
                                           unique_nbytes)
 
 L, KVH, D = 3, 2, 16
@@ -231,7 +231,9 @@ def test_faint_layers_count_the_leading_layers_within_the_share_of_each_side():
     size = torch.tensor([0.01, 0.02, 0.05, 1.0, 0.001, 1.0]).view(-1, 1, 1, 1)     # 6 layers
     dks = [size * torch.randn(6, KVH, n, D, generator=g) for n in (5, 9)]
     dvs = [d.flip(-1) for d in dks]
-    energy = sum((d ** 2).sum((1, 2, 3)) for d in dks)
+    energy = layer_energy(dks)
+    assert energy.shape == (6,) and energy.dtype == torch.float64
+    assert torch.allclose(energy, sum((d.double() ** 2).sum((1, 2, 3)) for d in dks))
     share = energy.cumsum(0) / energy.sum()
     assert share[2] < 0.01 < share[3]
     assert faint_layers(dks, dvs, 0.01) == 3
