@@ -103,8 +103,9 @@ def test_storage_options_become_engine_config_fields():
         "correction_dtype": "int8_basis", "u8_components": 28}
     assert storage_of(parser.parse_args(["--u8-components", "all"])) == {"u8_components": None}
     assert storage_of(parser.parse_args(["--small-row-bits", "8"])) == {"small_row_bits": 8}
+    assert storage_of(parser.parse_args(["--u-head-bits", "8"])) == {"u_head_bits": 8}
     assert parser.parse_args(["--value-bits", "6", "--key-bits", "6"]).value_bits == 6
-    for bad in (["--u8-components", "many"], ["--small-row-bits", "5"]):
+    for bad in (["--u8-components", "many"], ["--small-row-bits", "5"], ["--u-head-bits", "4"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
 

@@ -14,10 +14,10 @@ from .scenarios import Scenario, declare_systems
 from .summary import check_targets, pooled, summarize
 
 EXACT_MODES = ("none", "prefix")          # exact by construction: sanity rows, evaluated on fewer tokens
-STAT_KEYS = ("reuse", "recompute_ratio", "rank", "reference", "prefetch_ratio", "declared", "correction_dtype", "u8_components",
-             "small_row_bits", "u_head_bits", "uncorrected_energy", "correction_layers_dropped",
-             "home_views", "home_view_bytes", "corrections", "correction_bytes", "kv_bytes_peak", "kv_bytes_total_peak",
-             "template_fallbacks", "realign_refusals")
+STAT_KEYS = ("reuse", "recompute_ratio", "rank", "reference", "prefetch_ratio", "declared",
+             "correction_dtype", "u8_components", "small_row_bits", "u_head_bits", "uncorrected_energy",
+             "correction_layers_dropped", "home_views", "home_view_bytes", "corrections", "correction_bytes",
+             "kv_bytes_peak", "kv_bytes_total_peak", "template_fallbacks", "realign_refusals", "prefetch")
 Log = Callable[[str], None]
 
 
