@@ -303,6 +303,32 @@ class Basis:
         """One layer's basis [KVH, r, D] (or all of them for the default slice), in ``dtype``."""
         return _layer_of(self.first, layer, lambda i: self.stored(i, dtype), tuple(self.b.shape[1:]), self.b, dtype)
 
+    @staticmethod
+    def stacked(bases: list["Basis"], layer: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Several bases' ``at(layer)`` stacked [NB, KVH, r, D], dequantized and rotated together: a
+        decode step reads every basis of its view in every layer, and on CPU a few ops per basis
+        cost more than the products. Bases stored alike (same dtype, scaled or not, same shape) whose
+        states all store ``layer`` take one op per step for all of them; others are read one by one."""
+        first = bases[0]
+        alike = all(b.b.dtype == first.b.dtype and (b.scale is None) == (first.scale is None)
+                    and b.b.shape[1:] == first.b.shape[1:] and b.first <= layer for b in bases)
+        if len(bases) == 1 or not alike:
+            return torch.stack([b.at(layer, dtype) for b in bases])
+        x = torch.stack([b.b[layer - b.first] for b in bases])
+        turned = [b for b in bases if b.cos is not None]
+        if first.scale is None and not turned:
+            return x.to(dtype)
+        x = x.float()
+        if first.scale is not None:
+            x = x * torch.stack([b.scale[layer - b.first] for b in bases])
+        if turned:          # unrotated bases get the identity rotation (cos 1, sin 0): x * 1 + y * 0 == x
+            dim = x.shape[-1]
+            one, zero = x.new_ones(dim), x.new_zeros(dim)
+            cos = torch.stack([one if b.cos is None else b.cos.to(x.device, torch.float32) for b in bases])
+            sin = torch.stack([zero if b.sin is None else b.sin.to(x.device, torch.float32) for b in bases])
+            x = rotate(x, cos.view(len(bases), 1, 1, dim), sin.view(len(bases), 1, 1, dim))
+        return x.to(dtype)
+
     def stored(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Like ``at``, but indexed over the stored layers only (layer ``first`` is index 0)."""
         if self.scale is None and self.cos is None:

@@ -9,7 +9,8 @@ output. ``view_attention`` is the same math, unbatched; tests check they all agr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from bisect import bisect_right
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -18,6 +19,29 @@ from .lowrank import Basis, Coeffs
 from .realign import Realigner
 from .rope import rotate, rotate_
 from .view_attention import SegmentPiece
+
+
+Group = tuple[list[Coeffs], Basis, list[Coeffs], Basis]      # (U_k's, B_k, U_v's, B_v) sharing one basis
+
+
+@dataclass
+class Stack:
+    """Groups of a view stored alike (same code format, basis dtype and rank), which the decode path
+    reads together: one unpack of U and one read of the bases per layer for all of them."""
+
+    groups: list[Group]          # by first stored layer
+    firsts: list[int]            # each group's first stored layer, ascending
+    ends: list[int]              # each group's end in ``rows``
+    rows: torch.Tensor           # [R] their key rows in the view, group by group
+    group: torch.Tensor          # [R] each row's index in ``groups``
+
+    def active(self, layer: int) -> int:
+        """How many (leading) groups store ``layer``."""
+        return bisect_right(self.firsts, layer)
+
+    def spans(self, groups: int) -> list[tuple[int, int]]:
+        """Where each of the leading ``groups`` groups' rows lie in ``rows``."""
+        return list(zip([0] + self.ends[:groups - 1], self.ends[:groups]))
 
 
 @dataclass
@@ -39,6 +63,7 @@ class GatheredView:
     key_class: torch.Tensor
     q_cos: torch.Tensor
     q_sin: torch.Tensor
+    stacks: list[Stack] = field(default_factory=list)     # the corrections again, for few queries
 
     def extend(self, slots: torch.Tensor) -> "GatheredView":
         """The same view followed by plain own keys (a request's tail as it grows)."""
@@ -77,8 +102,37 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
     corrections = [(uks, bk, uvs, bv) for _, uks, bk, uvs, bv in groups.values()]
     rows = torch.cat([r for g in groups.values() for r in g[0]]) if groups else torch.zeros(0, dtype=torch.long)
     first = min((u.first for g in corrections for u in g[0] + g[2]), default=0)
+    group_rows = [torch.cat(g[0]).to(device) for g in groups.values()]
     return GatheredView(torch.cat(slots).to(device), cos, sin, corrections, rows.to(device), first,
-                        key_class.to(device), torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables]))
+                        key_class.to(device), torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables]),
+                        _stacks(corrections, group_rows))
+
+
+def _stacks(corrections: list[Group], rows: list[torch.Tensor]) -> list[Stack]:
+    """The groups by storage format, each format's groups ordered by their first stored layer."""
+    alike: dict[tuple, list[tuple[Group, torch.Tensor]]] = {}
+    for g, r in zip(corrections, rows):
+        alike.setdefault(_format(g), []).append((g, r))
+    out = []
+    for members in alike.values():
+        members.sort(key=lambda m: m[0][0][0].first)
+        ends = torch.tensor([r.numel() for _, r in members]).cumsum(0).tolist()
+        out.append(Stack([g for g, _ in members], [g[0][0].first for g, _ in members], ends,
+                         torch.cat([r for _, r in members]),
+                         torch.cat([torch.full((r.numel(),), i, dtype=torch.long, device=r.device)
+                                    for i, (_, r) in enumerate(members)])))
+    return out
+
+
+def _format(g: Group) -> tuple:
+    """What groups read together must share: their U codes' format and their bases' storage and rank."""
+    def coeffs(u: Coeffs) -> tuple:
+        return u.scale is None, u.tail, u.head, u.bits, u.rank, u.u.dtype, u.channel is not None
+
+    def basis(b: Basis) -> tuple:
+        return b.b.dtype, b.scale is None, tuple(b.b.shape[1:]), b.identity
+    uks, bk, uvs, bv = g
+    return coeffs(uks[0]), basis(bk), coeffs(uvs[0]), basis(bv)
 
 
 def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
@@ -139,27 +193,44 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
     g = heads // kvh
     qg = q.view(n, kvh, g, dim).permute(1, 2, 0, 3).reshape(kvh, g * n, dim)
     scores = _realigned_scores(qg, k, view) if query_side else qg @ k.permute(1, 2, 0)    # [KVH, G*n, ctx]
-    parts, offset = [], 0
-    for uks, bk, uvs, bv in view.corrections:
-        n_rows = sum(u.num_rows for u in uks)
-        rows = view.rows[offset:offset + n_rows]
-        offset += n_rows
-        if layer < min(u.first for u in uks):
-            continue                                  # the group stores nothing for this layer
-        uk = Coeffs.joined(uks, layer, q.dtype)
-        qb = qg if bk.plain_identity else qg @ bk.at(layer, q.dtype).transpose(-1, -2)   # [KVH, G*n, r]
-        scores.index_add_(-1, rows, qb @ uk.transpose(-1, -2))
-        parts.append((rows, uvs, bv))
+    parts = []
+    for st in view.stacks:
+        active = st.active(layer)                      # groups that store nothing for this layer are left out
+        if not active:
+            continue
+        rows, spans, gs = st.rows[:st.ends[active - 1]], st.spans(active), st.groups[:active]
+        uk = Coeffs.joined([u for g in gs for u in g[0]], layer, q.dtype)          # [KVH, R, r]
+        scores.index_add_(-1, rows, _lowrank_scores(qg, [g[1] for g in gs], uk, spans, layer))
+        parts.append((rows, spans, gs))
     scores = (scores * scale).view(kvh, g, n, ctx)
     if n > 1:
         visible = torch.arange(ctx, device=q.device) <= torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
         scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kvh, g * n, ctx)
     out = probs @ v.transpose(0, 1)                                     # [KVH, G*n, D]
-    for rows, uvs, bv in parts:
-        pu = probs.index_select(-1, rows) @ Coeffs.joined(uvs, layer, q.dtype)
-        out += pu if bv.plain_identity else pu @ bv.at(layer, q.dtype)
+    for rows, spans, gs in parts:
+        uv = Coeffs.joined([u for g in gs for u in g[2]], layer, q.dtype)
+        out += _lowrank_values(probs.index_select(-1, rows), uv, [g[3] for g in gs], spans, layer)
     return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+
+
+def _lowrank_scores(qg: torch.Tensor, bases: list[Basis], u: torch.Tensor, spans: list[tuple[int, int]],
+                    layer: int) -> torch.Tensor:
+    """(q . B^T) . U^T [KVH, G*n, R] over rows of several groups: U's rows spans[i] have bases[i]."""
+    if all(b.plain_identity for b in bases):
+        return qg @ u.transpose(-1, -2)
+    qb = qg @ Basis.stacked(bases, layer, qg.dtype).transpose(-1, -2)             # [NB, KVH, G*n, r]
+    return torch.cat([qb[i] @ u[:, a:b].transpose(-1, -2) for i, (a, b) in enumerate(spans)], dim=-1)
+
+
+def _lowrank_values(p: torch.Tensor, u: torch.Tensor, bases: list[Basis], spans: list[tuple[int, int]],
+                    layer: int) -> torch.Tensor:
+    """(P[:, rows] . U) . B [KVH, G*n, D] summed over several groups; p [KVH, G*n, R], and U's rows
+    spans[i] have bases[i]."""
+    if all(b.plain_identity for b in bases):
+        return p @ u
+    pu = torch.stack([p[..., a:b] @ u[:, a:b] for a, b in spans])                 # [NB, KVH, G*n, r]
+    return (pu @ Basis.stacked(bases, layer, p.dtype)).sum(0)
 
 
 def _query_side(view: GatheredView, queries: int) -> bool:

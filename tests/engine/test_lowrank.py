@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcmas_agents.engine.lowrank import (Coeffs, LowRankDelta, apply_to, captured_energy, compose, compress,
+from kvcmas_agents.engine.lowrank import (Basis, Coeffs, LowRankDelta, apply_to, captured_energy, compose, compress,
                                           compress_joint, faint_layers, layer_energy, rows_are_smaller, strongest_rows,
                                           unique_nbytes)
 
@@ -528,3 +528,28 @@ def test_joined_reads_states_that_start_at_different_layers(kind):
             want = torch.cat([u.at(layer) for u in us], dim=1)
             assert torch.equal(Coeffs.joined(us, layer), want), (side, layer)
         assert not Coeffs.joined(us, 1)[:, 20:40].any()         # the second state starts at layer 2
+
+
+def test_stacked_bases_equal_each_basis_read_alone():
+    """Basis.stacked dequantizes and rotates several bases in one go: bitwise what each gives alone, for
+    int8 bases with scales (some rotated by a pending shift, some not), bf16 ones, the identity of
+    quantized rows, and bases stored differently (read one by one)."""
+    from kvcmas_agents.engine.realign import Realigner
+    from kvcmas_agents.engine.rope import inv_frequencies
+    inv, _ = inv_frequencies(D, 10000.0, None, 4096)
+    realigner = Realigner(inv.float())
+    dk, dv = _devs(20)
+    rows = torch.arange(20)
+    int8 = [compress(dk * (i + 1), dv, rows, 8, torch.int8, int8_basis=True, first_layer=f)
+            for i, f in enumerate((1, 0, 1))]
+    moved = [realigner.rotate_delta(int8[0], 7), int8[1], realigner.rotate_delta(int8[2], -3)]
+    bf16 = [compress(dk, dv, rows, 8, torch.int8), compress(dk * 2, dv, rows, 8, torch.int8)]
+    keyrows = [realigner.rotate_delta(compress(dk, dv, rows, 8, torch.int8, key_bits=6), s) for s in (0, 5)]
+    for states in (moved, bf16, keyrows, [moved[0], bf16[1]]):
+        bases = [realigner.key_basis(s) for s in states]
+        for layer in (1, L - 1):
+            want = torch.stack([b.at(layer) for b in bases])
+            assert torch.equal(Basis.stacked(bases, layer), want), layer
+    assert any(b.cos is not None for b in (realigner.key_basis(s) for s in moved))
+    # a state that does not store the layer reads zeros there, as alone
+    assert not Basis.stacked([realigner.key_basis(s) for s in moved], 0)[0].any()

@@ -204,3 +204,46 @@ def test_row_states_of_several_requests_are_joined_in_one_group(tq):
     four = compress(dks[2], dks[2].flip(-1), rows[2], 40, torch.int8, value_bits=4, key_bits=4, first_layer=1)
     mixed = [first[0].key_coeffs(), four.key_coeffs()]
     assert torch.equal(Coeffs.joined(mixed, 2), torch.cat([u.at(2) for u in mixed], dim=1))
+
+
+@pytest.mark.parametrize("tq", [1, 5])
+def test_decode_reads_groups_stored_alike_together(tq):
+    """Few queries read the groups of a view that are stored alike together (one unpack of U, one read
+    of the bases per layer): the engine's default factored storage over five requests' bases, starting
+    at different layers, some moved by a pending shift, plus two groups of quantized rows. Same
+    attention as view_attention in every layer."""
+    torch.manual_seed(5)
+    head_dim, kv_heads, group, layers = 64, 3, 3, 4
+    k_cache, v_cache = torch.randn(600, kv_heads, head_dim), torch.randn(600, kv_heads, head_dim)
+    inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
+    realigner = Realigner(inv.float())
+    pieces, pos = [OwnPiece(torch.arange(0, 8), torch.arange(8))], 8
+    storages = [dict(int8_basis=True, u8=4, head_bits=6, first_layer=f) for f in (1, 3, 1, 2, 1)]
+    storages += [dict(key_bits=6, value_bits=6, first_layer=1)] * 2
+    for i, knobs in enumerate(storages):
+        rows = [torch.sort(torch.randperm(20)[:12]).values, torch.sort(torch.randperm(16)[:9]).values]
+        dks = [torch.randn(layers, kv_heads, r.numel(), head_dim) * 0.1 for r in rows]
+        states = compress_joint(dks, [d.flip(-1) * 0.5 for d in dks], rows, 8, torch.int8, **knobs)
+        if i % 2:
+            states = [realigner.rotate_delta(s, 3 + i) for s in states]
+        for s, n in zip(states, (20, 16)):
+            pieces.append(SegmentPiece(torch.arange(100 + pos, 100 + pos + n), torch.arange(pos, pos + n),
+                                       i - 2, [s]))
+            pos += n
+    pieces.append(OwnPiece(torch.arange(550, 550 + tq), torch.arange(pos, pos + tq)))
+    q = torch.randn(tq, kv_heads * group, head_dim)
+    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    assert sorted(len(st.groups) for st in view.stacks) == [2, 5]
+    factored = next(st for st in view.stacks if len(st.groups) == 5)
+    assert factored.firsts == [1, 1, 1, 2, 3] and factored.active(2) == 4 and factored.active(0) == 0
+    for layer in range(layers):
+        ref = view_attention(q, torch.arange(pos, pos + tq), pieces, k_cache, v_cache, layer, head_dim ** -0.5,
+                             realigner)
+        out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        assert torch.allclose(out, ref, atol=1e-5), (layer, (out - ref).abs().max())
+    # Not vacuous: the corrections change the attention.
+    plain = build_view([OwnPiece(p.slots, p.positions) if isinstance(p, OwnPiece) else
+                        SegmentPiece(p.slots, p.positions, p.delta, []) for p in pieces], realigner,
+                       torch.device("cpu"), torch.float32)
+    assert not torch.allclose(gathered_attention(q, plain, k_cache, v_cache, 3, head_dim ** -0.5),
+                              gathered_attention(q, view, k_cache, v_cache, 3, head_dim ** -0.5), atol=1e-4)
