@@ -10,7 +10,7 @@ output. ``view_attention`` is the same math, unbatched; tests check they all agr
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,14 +26,14 @@ Group = tuple[list[Coeffs], Basis, list[Coeffs], Basis]      # (U_k's, B_k, U_v'
 
 @dataclass
 class Stack:
-    """Groups of a view stored alike (same code format, basis dtype and rank), which the decode path
-    reads together: one unpack of U and one read of the bases per layer for all of them."""
+    """Groups of a view stored alike (same code format, basis storage and rank), read together: one
+    unpack of U and one read of the bases per layer for all of them (on CPU a few ops per group and
+    layer cost more than the products; a decode step reads every group in every layer)."""
 
     groups: list[Group]          # by first stored layer
     firsts: list[int]            # each group's first stored layer, ascending
     ends: list[int]              # each group's end in ``rows``
     rows: torch.Tensor           # [R] their key rows in the view, group by group
-    group: torch.Tensor          # [R] each row's index in ``groups``
 
     def active(self, layer: int) -> int:
         """How many (leading) groups store ``layer``."""
@@ -51,11 +51,10 @@ class GatheredView:
     # reused)
     cos: torch.Tensor
     sin: torch.Tensor
-    # (U_k, B_k, U_v, B_v): the corrections that share one basis (and shift), their U factors listed
-    # (U [L, KVH, R_i, r] each) so that each layer needs one product per basis (none for the identity
-    # of full-rank rows); ``rows`` [R] are their key rows, group by group.
-    corrections: list[tuple[list[Coeffs], Basis, list[Coeffs], Basis]]
-    rows: torch.Tensor
+    # The corrections: groups (U_k's, B_k, U_v's, B_v) of states that share one basis (and shift), so
+    # that each layer needs one product per basis (none for the identity of full-rank rows), in stacks
+    # of groups stored alike.
+    stacks: list[Stack]
     first_layer: int                             # layers before it have no corrections (states leave them out)
     # Query-side realignment for few queries: rotation class [N] of every key (0: not rotated, c: by the
     # c-th distinct delta), and the rotate-half tables [C, D] that move a query by minus each delta
@@ -63,7 +62,6 @@ class GatheredView:
     key_class: torch.Tensor
     q_cos: torch.Tensor
     q_sin: torch.Tensor
-    stacks: list[Stack] = field(default_factory=list)     # the corrections again, for few queries
 
     def extend(self, slots: torch.Tensor) -> "GatheredView":
         """The same view followed by plain own keys (a request's tail as it grows)."""
@@ -100,12 +98,10 @@ def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: 
         key_class[a:a + n] = classes.setdefault(delta, len(classes))
     tables = [realigner.cos_sin(-delta, device, dtype) for delta in classes]
     corrections = [(uks, bk, uvs, bv) for _, uks, bk, uvs, bv in groups.values()]
-    rows = torch.cat([r for g in groups.values() for r in g[0]]) if groups else torch.zeros(0, dtype=torch.long)
     first = min((u.first for g in corrections for u in g[0] + g[2]), default=0)
-    group_rows = [torch.cat(g[0]).to(device) for g in groups.values()]
-    return GatheredView(torch.cat(slots).to(device), cos, sin, corrections, rows.to(device), first,
-                        key_class.to(device), torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables]),
-                        _stacks(corrections, group_rows))
+    stacks = _stacks(corrections, [torch.cat(g[0]).to(device) for g in groups.values()])
+    return GatheredView(torch.cat(slots).to(device), cos, sin, stacks, first, key_class.to(device),
+                        torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables]))
 
 
 def _stacks(corrections: list[Group], rows: list[torch.Tensor]) -> list[Stack]:
@@ -118,9 +114,7 @@ def _stacks(corrections: list[Group], rows: list[torch.Tensor]) -> list[Stack]:
         members.sort(key=lambda m: m[0][0][0].first)
         ends = torch.tensor([r.numel() for _, r in members]).cumsum(0).tolist()
         out.append(Stack([g for g, _ in members], [g[0][0].first for g, _ in members], ends,
-                         torch.cat([r for _, r in members]),
-                         torch.cat([torch.full((r.numel(),), i, dtype=torch.long, device=r.device)
-                                    for i, (_, r) in enumerate(members)])))
+                         torch.cat([r for _, r in members])))
     return out
 
 
@@ -140,9 +134,14 @@ def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
     return id(b) if b is not None else ("identity", u.shape[-1], u.dtype)
 
 
-def _dense(us: list[Coeffs], b: Basis, layer: int, dtype: torch.dtype) -> torch.Tensor:
-    u = Coeffs.joined(us, layer, dtype)
-    return (u if b.plain_identity else u @ b.at(layer, dtype)).transpose(0, 1)          # [R, KVH, D]
+def _dense(us: list[Coeffs], bases: list[Basis], spans: list[tuple[int, int]], layer: int,
+           dtype: torch.dtype) -> torch.Tensor:
+    """Corrected rows U . B [R, KVH, D] of several groups: U's rows spans[i] have bases[i]."""
+    u = Coeffs.joined(us, layer, dtype)                                           # [KVH, R, r]
+    if all(b.plain_identity for b in bases):
+        return u.transpose(0, 1)
+    b = Basis.stacked(bases, layer, dtype)                                        # [NB, KVH, r, D]
+    return torch.cat([u[:, a:e] @ b[i] for i, (a, e) in enumerate(spans)], dim=1).transpose(0, 1)
 
 
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -154,9 +153,18 @@ def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor
     if m and realigned:
         rotate_(k[:m], view.cos, view.sin)    # k is a fresh gather: rotated in place
     # One scatter for all bases (per-call overhead dominates on CPU); none where no state stores the layer.
-    if corrected and view.corrections and layer >= view.first_layer:
-        k.index_add_(0, view.rows, torch.cat([_dense(uks, bk, layer, k.dtype) for uks, bk, _, _ in view.corrections]))
-        v.index_add_(0, view.rows, torch.cat([_dense(uvs, bv, layer, v.dtype) for _, _, uvs, bv in view.corrections]))
+    if corrected and view.stacks and layer >= view.first_layer:
+        rows, dk, dv = [], [], []
+        for st in view.stacks:
+            active = st.active(layer)
+            if active:
+                spans, gs = st.spans(active), st.groups[:active]
+                rows.append(st.rows[:st.ends[active - 1]])
+                dk.append(_dense([u for g in gs for u in g[0]], [g[1] for g in gs], spans, layer, k.dtype))
+                dv.append(_dense([u for g in gs for u in g[2]], [g[3] for g in gs], spans, layer, v.dtype))
+        idx = torch.cat(rows)
+        k.index_add_(0, idx, torch.cat(dk))
+        v.index_add_(0, idx, torch.cat(dv))
     return k, v
 
 
@@ -176,7 +184,7 @@ def gathered_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
                        layer: int, scale: float) -> torch.Tensor:
     """Causal attention of the last len(q) positions over the view; q [Tq, H, D] -> [Tq, H, D]."""
     few = q.shape[0] <= LOWRANK_QUERY
-    if few and (view.corrections or _query_side(view, q.shape[0])):     # (also below first_layer: same numerics)
+    if few and (view.stacks or _query_side(view, q.shape[0])):     # (also below first_layer: same numerics)
         return _lowrank_attention(q, view, k_cache, v_cache, layer, scale)
     k, v = gathered_kv(view, k_cache, v_cache, layer)
     return sdpa(q, k, v, scale)

@@ -116,8 +116,9 @@ def test_joint_states_without_layer_zero(tq, u8):
     pieces.append(OwnPiece(torch.arange(250, 250 + tq), torch.arange(68, 68 + tq)))
     q = torch.randn(tq, kv_heads * group, head_dim)
     view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
-    assert view.first_layer == 1 and len(view.corrections) == 1 and len(view.corrections[0][0]) == 3
-    joined = Coeffs.joined(view.corrections[0][0], 2, torch.float32)
+    assert view.first_layer == 1 and [len(st.groups) for st in view.stacks] == [1]
+    assert len(view.stacks[0].groups[0][0]) == 3
+    joined = Coeffs.joined(view.stacks[0].groups[0][0], 2, torch.float32)
     assert torch.equal(joined, torch.cat([s.key_coeffs().at(2) for s in states], dim=1))
     for layer in range(layers):
         ref = view_attention(q, torch.arange(68, 68 + tq), pieces, k_cache, v_cache, layer, head_dim ** -0.5,
@@ -190,10 +191,10 @@ def test_row_states_of_several_requests_are_joined_in_one_group(tq):
                                    5 - 4 * i, [state]))
     pieces.append(OwnPiece(torch.arange(250, 250 + tq), torch.arange(68, 68 + tq)))
     view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
-    assert len(view.corrections) == 1 and len(view.corrections[0][0]) == 3
+    assert [len(st.groups) for st in view.stacks] == [1] and len(view.stacks[0].groups[0][0]) == 3
     for layer in range(layers):
         for side in (0, 2):
-            us = view.corrections[0][side]
+            us = view.stacks[0].groups[0][side]
             assert torch.equal(Coeffs.joined(us, layer), torch.cat([u.at(layer) for u in us], dim=1))
     q = torch.randn(tq, kv_heads * group, head_dim)
     for layer in range(layers):
@@ -206,12 +207,12 @@ def test_row_states_of_several_requests_are_joined_in_one_group(tq):
     assert torch.equal(Coeffs.joined(mixed, 2), torch.cat([u.at(2) for u in mixed], dim=1))
 
 
-@pytest.mark.parametrize("tq", [1, 5])
-def test_decode_reads_groups_stored_alike_together(tq):
-    """Few queries read the groups of a view that are stored alike together (one unpack of U, one read
-    of the bases per layer): the engine's default factored storage over five requests' bases, starting
-    at different layers, some moved by a pending shift, plus two groups of quantized rows. Same
-    attention as view_attention in every layer."""
+@pytest.mark.parametrize("tq", [1, 5, 12])
+def test_groups_stored_alike_are_read_together(tq):
+    """Groups of a view that are stored alike are read together (one unpack of U, one read of the bases
+    per layer), by few queries (low-rank terms) and by many (gathered rows): the engine's default
+    factored storage over five requests' bases, starting at different layers, some moved by a pending
+    shift, plus two groups of quantized rows. Same attention as view_attention in every layer."""
     torch.manual_seed(5)
     head_dim, kv_heads, group, layers = 64, 3, 3, 4
     k_cache, v_cache = torch.randn(600, kv_heads, head_dim), torch.randn(600, kv_heads, head_dim)
