@@ -31,6 +31,9 @@ class Shape:
 SHAPES: dict[str, Shape] = {
     "llama3-8b": Shape(4096, 14336, 32, 32, 8, 128),
     "llama3-1b": Shape(2048, 8192, 16, 32, 8, 64),
+    # Llama-3-8B's attention and KV geometry (32 layers, 32 query heads, 8 KV heads of 128) with narrow
+    # hidden and MLP widths: the KV, correction and anchor bytes of an 8B-shaped run at a CPU's cost.
+    "llama3-8b-kv": Shape(1024, 2048, 32, 32, 8, 128),
     "tiny": Shape(64, 128, 2, 4, 2, 16, rope_theta=10000.0, max_position_embeddings=4096),
 }
 

@@ -17,6 +17,15 @@ def test_llama3_8b_shape_has_8b_parameters_without_building_it():
     assert 6.5e9 < 32 * per_layer + 2 * 49152 * 4096 < 7.5e9
 
 
+def test_llama3_8b_kv_shape_keeps_8b_kv_geometry_at_a_fraction_of_the_weights():
+    kv, full = SHAPES["llama3-8b-kv"], SHAPES["llama3-8b"]
+    geometry = lambda s: (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, s.rope_theta)
+    assert geometry(kv) == geometry(full)
+    per_layer = lambda s: (2 * s.num_heads + 2 * s.num_kv_heads) * s.head_dim * s.hidden_size \
+        + 3 * s.hidden_size * s.intermediate_size
+    assert per_layer(kv) * 10 < per_layer(full)
+
+
 def test_weights_are_seeded_and_complete():
     args = random_args("random:tiny", vocab_size=100, eos_token_ids=[0])
     a = random_weights(args, torch.device("cpu"), torch.float32)
