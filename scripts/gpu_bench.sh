@@ -11,12 +11,14 @@
 # take their tokenizer from its .gguf too). That .gguf is 94 MiB, more than one device call carries
 # (64 MiB): send it in two parts and join them on the device before this runs.
 # CPU smoke run of the plumbing: MODEL_8B=random:tiny DEVICE=cpu PRESET=quick LONG_PRESET=tiny scripts/gpu_bench.sh
+# (tests/test_scripts.py runs it smaller still: PRESET=tiny TRACE=csv)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_bench_out}"
 DEVICE="${DEVICE:-cuda}"
 MODEL_8B="${MODEL_8B:-random:llama3-8b}"
 PRESET="${PRESET:-full}"
+TRACE="${TRACE:-pipeline}"
 LONG_PRESET="${LONG_PRESET:-long}"
 T_CHECK="${T_CHECK:-100}" T_8B="${T_8B:-240}" T_SMOL="${T_SMOL:-110}" T_LONG="${T_LONG:-80}"   # 530 s in all
 if [ -n "${PYTHON:-}" ]; then PY="$PYTHON"
@@ -47,9 +49,9 @@ bench() {  # bench NAME SECONDS ARGS...: kvcmas bench into $OUT/NAME
 if [ "$DEVICE" != cpu ]; then
   part gpu_check "$T_CHECK" env OUT="$OUT/gpu_check" PYTHON="$PY" bash scripts/gpu_check.sh
 fi
-bench bench_8b "$T_8B" --preset "$PRESET" --traces pipeline --model "$MODEL_8B" \
+bench bench_8b "$T_8B" --preset "$PRESET" --traces "$TRACE" --model "$MODEL_8B" \
   --methods none prefix kvcomm kvcmas --throughput-tokens 32
-bench bench_smollm "$T_SMOL" --preset "$PRESET" --traces pipeline \
+bench bench_smollm "$T_SMOL" --preset "$PRESET" --traces "$TRACE" \
   --methods none prefix cacheblend kvcomm kvcmas --throughput-tokens 0
 bench bench_8b_long "$T_LONG" --preset "$LONG_PRESET" --model "$MODEL_8B" \
   --methods none prefix kvcomm kvcmas --throughput-tokens 0
