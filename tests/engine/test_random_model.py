@@ -6,24 +6,27 @@ import torch
 
 from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.engine.loader import load_model
-from kvcmas_agents.engine.random_model import SHAPES, random_args, random_weights
+from kvcmas_agents.engine.random_model import SHAPES, Shape, random_args, random_weights
+
+
+def _layer_weights(s: Shape) -> int:
+    """Weights of one layer: q, k, v and o projections, then the gated MLP."""
+    attention = (2 * s.num_heads + 2 * s.num_kv_heads) * s.head_dim * s.hidden_size
+    return attention + 3 * s.hidden_size * s.intermediate_size
 
 
 def test_llama3_8b_shape_has_8b_parameters_without_building_it():
     args = random_args("random:llama3-8b", vocab_size=49152, eos_token_ids=[2])
     s = SHAPES["llama3-8b"]
     assert (args.num_layers, args.num_heads, args.num_kv_heads, args.head_dim) == (32, 32, 8, 128)
-    per_layer = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * s.intermediate_size
-    assert 6.5e9 < 32 * per_layer + 2 * 49152 * 4096 < 7.5e9
+    assert 6.5e9 < 32 * _layer_weights(s) + 2 * 49152 * 4096 < 7.5e9
 
 
 def test_llama3_8b_kv_shape_keeps_8b_kv_geometry_at_a_fraction_of_the_weights():
     kv, full = SHAPES["llama3-8b-kv"], SHAPES["llama3-8b"]
     geometry = lambda s: (s.num_layers, s.num_heads, s.num_kv_heads, s.head_dim, s.rope_theta)
     assert geometry(kv) == geometry(full)
-    per_layer = lambda s: (2 * s.num_heads + 2 * s.num_kv_heads) * s.head_dim * s.hidden_size \
-        + 3 * s.hidden_size * s.intermediate_size
-    assert per_layer(kv) * 10 < per_layer(full)
+    assert _layer_weights(kv) * 10 < _layer_weights(full)
 
 
 def test_weights_are_seeded_and_complete():
