@@ -41,6 +41,14 @@ MAX_FRAME = 16          # tokens of role header and trailer around a decoded rep
 # in a dev capture of the bf16 bench pipeline): states do not store it. Recompute ratio 1.0 keeps every
 # layer, so that it stays exact.
 UNCORRECTED_LAYERS = 1
+# Selection queries are at most the prompt's last SELECT_MAX tokens. A long new message (a tool's
+# output, a pasted document) as the own tail, or as a prefetch's newest known message, otherwise made
+# selection a second pass over all of it with every query's attention mass kept: a later agent whose
+# tail was a 3,200-token tool output took 2.4x an exact prefill's TTFT, and the long trace's prefetches
+# twice their recompute (dev runs). A cut tail's last tokens then attend to the reused view and to
+# themselves, not to the tail's start: a stand-in, as a prefetch's queries are. The bench's full traces
+# never reach it (their longest window is the fan-out's task and hand-off, about 400 tokens).
+SELECT_MAX = 512
 
 
 class Corrector:
@@ -64,6 +72,7 @@ class Corrector:
         self.newest_whole = True       # EngineConfig.recompute_newest
         self.keep_energy = 1.0         # EngineConfig.correction_energy
         self.rows_dropped = 0          # recomputed rows whose deviation was too faint to store
+        self.selections_capped = 0     # selection passes cut to the prompt's last SELECT_MAX tokens
         self.baselines = {"cacheblend": CacheBlend(self), "kvcomm": KVComm(self, self.anchors)}
 
     # --- planning (at admission) ---------------------------------------------------------------
@@ -231,9 +240,14 @@ class Corrector:
             return [torch.arange(0) for _ in pending]
         b, n = req.reuse_end, len(req.prompt_ids)
         # Queries: the own tail, or from req.select_from on (a prefetch also queries the last reused
-        # message, since the real tail is not known yet); only the tail's own KV is written.
+        # message, since the real tail is not known yet), at most SELECT_MAX of them; only the tail's
+        # own KV is written.
         qs = min(req.select_from, b) if req.select_from is not None else b
-        pieces = self.pieces_for(req, n, include_new=False)
+        if qs < n - SELECT_MAX:
+            qs = n - SELECT_MAX
+            self.selections_capped += 1
+        tail = max(qs, b)                          # own keys [tail, n) follow the reused view [0, b)
+        pieces = self.pieces_for(req, b, include_new=False) + ([self._own(req, tail, n)] if n > tail else [])
         spans, offset = [], 0                      # where each pending piece's keys sit in the view
         starts = {p.start for p in pending}
         for pc in pieces:
@@ -242,7 +256,7 @@ class Corrector:
                 spans.append((offset, offset + size))
             offset += size
         positions = torch.arange(qs, n, device=self.model.device)
-        backend = _MassBackend(self, pieces, self.store.slots(req.blocks, b, n), positions, spans, skip=b - qs)
+        backend = _MassBackend(self, pieces, self.store.slots(req.blocks, tail, n), positions, spans, skip=tail - qs)
         ids = torch.tensor(req.prompt_ids[qs:n], device=self.model.device)
         self.model.forward(ids, positions, backend)
         mass = torch.cat([m.fill_(float("inf")) if id(p) in whole else m for p, m in zip(pending, backend.mass)])

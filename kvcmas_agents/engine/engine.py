@@ -269,6 +269,7 @@ class Engine:
             "num_threads": self.num_threads,
             "correction_energy": self.config.correction_energy,
             "correction_rows_dropped": self.corrector.rows_dropped,
+            "selections_capped": self.corrector.selections_capped,
             "uncorrected_energy": self.config.uncorrected_energy,
             "correction_layers_dropped": self.corrector.layers_dropped,
             "blend_ratio": self.config.blend_ratio, "kvcomm_anchors": self.config.kvcomm_anchors,

@@ -28,11 +28,6 @@ from .request import Request
 from .scheduler import Scheduler
 
 SELECT_WINDOW = 32
-# At most this many queries: a newest message can be a pasted document (the long trace's task is 7,700
-# tokens), and selecting by all of it ran a second whole prefill, with the attention mass kept, before
-# the recompute (2.7x a plain prefill's time for the prefetch of a 2,600-token message, in a dev run).
-# The bench's full traces never reach it (their longest window is the fan-out's task and hand-off).
-SELECT_MAX = 512
 
 
 @dataclass
@@ -50,7 +45,6 @@ class PrefetchStats:
     recomputed_tokens: int = 0
     seconds: float = 0.0
     skipped: int = 0              # nothing to correct, prefix unknown, or no KV room
-    select_capped: int = 0        # corrections whose selection queries were cut to the last SELECT_MAX
     failed: int = 0
     by_agent: dict[str, int] = field(default_factory=dict)
 
@@ -63,11 +57,6 @@ def _leading_prefix(req: Request) -> int:
             break
         end = seg.end
     return end
-
-
-def _starts_inside(req: Request) -> bool:
-    """Whether the selection queries start inside a message (the window was cut to SELECT_MAX)."""
-    return all(seg.start != req.select_from for seg in req.prompt.segments)
 
 
 class Prefetcher:
@@ -110,13 +99,12 @@ class Prefetcher:
         prompt = RenderedPrompt(ids, segments, True, "")
         messages = [s for s in segments if s.kind == "message"]
         # Selection queries: the generation prompt plus the newest known message(s), at least
-        # SELECT_WINDOW tokens and at most SELECT_MAX, standing in for the real tail that is not known yet.
+        # SELECT_WINDOW tokens, standing in for the real tail that is not known yet.
         select_from = len(ids)
         for seg in reversed(messages):
             select_from = seg.start
             if len(ids) - select_from >= SELECT_WINDOW:
                 break
-        select_from = max(select_from, len(ids) - SELECT_MAX)
         return Request(request_id=f"prefetch-{agent}-{src.request_id}", agent=agent, prompt=prompt,
                        sampling=SamplingParams(max_tokens=1), max_new_tokens=1, detok=None,
                        sink=lambda event: None, options=self._options(src.options), select_from=select_from)
@@ -148,7 +136,6 @@ class Prefetcher:
                 return
             self.corrector.correct(req)
             self.stats.corrections += 1
-            self.stats.select_capped += _starts_inside(req)
             self.stats.recomputed_tokens += req.recomputed_tokens
             self.stats.by_agent[req.agent] = self.stats.by_agent.get(req.agent, 0) + 1
         except Exception:          # a prefetch is an optimisation: the real request corrects inline

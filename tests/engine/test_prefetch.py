@@ -191,36 +191,37 @@ async def test_declare_agent_rejects_bad_input_and_reports_failures(monkeypatch)
         await none.aclose()
 
 
+
 async def test_a_long_newest_message_selects_by_its_last_tokens_only(monkeypatch):
     """A pasted document as the newest shared message: the prefetch selects rows by the attention of
-    its last SELECT_MAX tokens (and the generation prompt), not of the whole document, and the
-    successor still gets its correction ahead of time."""
-    from kvcmas_agents.engine.prefetch import SELECT_MAX
+    the prompt's last SELECT_MAX tokens, not of the whole document, and the successor still gets its
+    correction ahead of time."""
+    from kvcmas_agents.engine import correction
 
     doc = "\n".join(f"Step {i}: the service svc_{i} reads queue q{i % 7}, checks amount_{i} against "
                     f"limit {100 + 17 * i} and retries {1 + i % 3} times." for i in range(40))
     shared = [{"role": "user", "content": TASK + "\n\nDesign notes:\n" + doc}]
     engine, exact = Engine(EngineConfig(reuse="kvcmas")), Engine(EngineConfig(reuse="none"))
-    windows = []
-    real = engine.corrector._select
+    queries = []
+    real = correction._MassBackend
 
-    def select(req, pending):
-        if req.request_id.startswith("prefetch-"):
-            windows.append(len(req.prompt_ids) - req.select_from)
-        return real(req, pending)
+    def backend(corr, pieces, write_slots, q_positions, spans, skip=0):
+        queries.append(q_positions.numel())
+        return real(corr, pieces, write_slots, q_positions, spans, skip)
 
-    monkeypatch.setattr(engine.corrector, "_select", select)
+    monkeypatch.setattr(correction, "_MassBackend", backend)
     try:
         engine.set_edges(EDGES[:1])
         for agent in ("planner", "coder"):
             engine.declare_agent(agent, SYSTEM[agent])
         first = await engine.generate(prompt("planner", shared), agent="planner", sampling=SamplingParams(max_tokens=8))
-        assert first.usage.prompt_tokens > 2 * SELECT_MAX
+        assert first.usage.prompt_tokens > 2 * correction.SELECT_MAX
         later = shared + [{"role": "user", "content": f"[planner] {first.text}"}]
         out = await engine.generate(prompt("coder", later), agent="coder", sampling=FIRST)
         ref = await exact.generate(prompt("coder", later), agent="coder", sampling=FIRST)
-        stats = engine.stats()["prefetch"]
-        assert windows == [SELECT_MAX] and stats["corrections"] == stats["select_capped"] == 1
+        stats = engine.stats()
+        assert stats["prefetch"]["corrections"] == stats["selections_capped"] == 1
+        assert queries[0] == correction.SELECT_MAX and all(q <= correction.SELECT_MAX for q in queries)
         # The document was corrected ahead of time: nothing of it is recomputed inline.
         assert out.usage.reused_tokens > first.usage.prompt_tokens // 2
         assert out.usage.recomputed_tokens < len(first.token_ids) + 32
