@@ -18,3 +18,19 @@ def engine_prefix():
     engine = Engine(EngineConfig(reuse="prefix"))
     yield engine
     engine.close()
+
+
+@pytest.fixture
+def selection_queries(monkeypatch):
+    """The number of queries of every KVCMAS selection pass run while the test runs, in order."""
+    from kvcmas_agents.engine import correction
+
+    queries: list[int] = []
+    real = correction._MassBackend
+
+    def backend(corr, pieces, write_slots, q_positions, spans, skip=0):
+        queries.append(q_positions.numel())
+        return real(corr, pieces, write_slots, q_positions, spans, skip)
+
+    monkeypatch.setattr(correction, "_MassBackend", backend)
+    return queries

@@ -351,7 +351,7 @@ async def test_the_newest_reused_message_is_recomputed_whole(engine):
 
 
 
-async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, monkeypatch):
+async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection_queries):
     """A later agent whose own tail is a long new message (a tool's output): the selection pass runs
     only the prompt's last SELECT_MAX tokens, not a second pass over the whole tail, and the request
     still corrects its reused rows close to exact."""
@@ -361,14 +361,7 @@ async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, monkeypat
     log = "\n".join(f"Log {i}: worker w{i % 5} processed batch b{i} in {10 + i % 37} ms, status ok."
                     for i in range(60))
     later = history + [{"role": "user", "content": "Tool output:\n" + log}]
-    queries = []
-    real = correction._MassBackend
-
-    def backend(corr, pieces, write_slots, q_positions, spans, skip=0):
-        queries.append(q_positions.numel())
-        return real(corr, pieces, write_slots, q_positions, spans, skip)
-
-    monkeypatch.setattr(correction, "_MassBackend", backend)
+    queries = selection_queries
     eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
     try:
         await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)

@@ -192,7 +192,7 @@ async def test_declare_agent_rejects_bad_input_and_reports_failures(monkeypatch)
 
 
 
-async def test_a_long_newest_message_selects_by_its_last_tokens_only(monkeypatch):
+async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_queries):
     """A pasted document as the newest shared message: the prefetch selects rows by the attention of
     the prompt's last SELECT_MAX tokens, not of the whole document, and the successor still gets its
     correction ahead of time."""
@@ -202,14 +202,7 @@ async def test_a_long_newest_message_selects_by_its_last_tokens_only(monkeypatch
                     f"limit {100 + 17 * i} and retries {1 + i % 3} times." for i in range(40))
     shared = [{"role": "user", "content": TASK + "\n\nDesign notes:\n" + doc}]
     engine, exact = Engine(EngineConfig(reuse="kvcmas")), Engine(EngineConfig(reuse="none"))
-    queries = []
-    real = correction._MassBackend
-
-    def backend(corr, pieces, write_slots, q_positions, spans, skip=0):
-        queries.append(q_positions.numel())
-        return real(corr, pieces, write_slots, q_positions, spans, skip)
-
-    monkeypatch.setattr(correction, "_MassBackend", backend)
+    queries = selection_queries
     try:
         engine.set_edges(EDGES[:1])
         for agent in ("planner", "coder"):
