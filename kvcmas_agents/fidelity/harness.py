@@ -17,7 +17,8 @@ EXACT_MODES = ("none", "prefix")          # exact by construction: sanity rows, 
 STAT_KEYS = ("reuse", "recompute_ratio", "rank", "reference", "prefetch_ratio", "declared",
              "correction_dtype", "u8_components", "small_row_bits", "u_head_bits", "uncorrected_energy",
              "correction_layers_dropped", "home_views", "home_view_bytes", "corrections", "correction_bytes",
-             "kv_bytes_peak", "kv_bytes_total_peak", "template_fallbacks", "realign_refusals", "prefetch")
+             "kv_bytes_peak", "kv_bytes_total_peak", "template_fallbacks", "realign_refusals", "prefetch",
+             "selections_capped")
 Log = Callable[[str], None]
 
 
