@@ -45,9 +45,9 @@ UNCORRECTED_LAYERS = 1
 # output, a pasted document) as the own tail, or as a prefetch's newest known message, otherwise made
 # selection a second pass over all of it with every query's attention mass kept: a later agent whose
 # tail was a 3,200-token tool output took 3.2x an exact prefill's TTFT (benchmarks/long_tail), and the
-# long trace's prefetches twice their recompute. A cut tail's last tokens then attend to the reused view and to
-# themselves, not to the tail's start: a stand-in, as a prefetch's queries are. The bench's full traces
-# never reach it (their longest window is the fan-out's task and hand-off, about 400 tokens).
+# long trace's prefetches twice their recompute. A cut tail's last tokens then attend to the reused view
+# and to themselves, not to the tail's start: a stand-in, as a prefetch's queries are. The bench's full
+# traces never reach it (their longest window is the fan-out's task and hand-off, about 400 tokens).
 SELECT_MAX = 512
 
 

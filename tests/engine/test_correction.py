@@ -350,7 +350,6 @@ async def test_the_newest_reused_message_is_recomputed_whole(engine):
     assert rec_on > rec_off
 
 
-
 async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection_queries):
     """A later agent whose own tail is a long new message (a tool's output): the selection pass runs
     only the prompt's last SELECT_MAX tokens, not a second pass over the whole tail, and the request
@@ -361,19 +360,19 @@ async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection
     log = "\n".join(f"Log {i}: worker w{i % 5} processed batch b{i} in {10 + i % 37} ms, status ok."
                     for i in range(60))
     later = history + [{"role": "user", "content": "Tool output:\n" + log}]
-    queries = selection_queries
     eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
     try:
         await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
         out = await eng.generate(prompt("coder", later), agent="coder", sampling=FIRST)
         assert out.usage.prompt_tokens - out.usage.reused_tokens > 2 * correction.SELECT_MAX
-        assert queries == [correction.SELECT_MAX] and eng.stats()["selections_capped"] == 1
+        assert selection_queries == [correction.SELECT_MAX] and eng.stats()["selections_capped"] == 1
         assert 0 < out.usage.recomputed_tokens < out.usage.reused_tokens
     finally:
         eng.close()
     exact = await engine.generate(prompt("coder", later), agent="coder", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="none"))
     assert kl(exact.logits[0], out.logits[0]) < 0.01
+
 
 async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole():
     """A reply followed by a short hand-off line: no prefetch could correct that reply (it was not

@@ -191,7 +191,6 @@ async def test_declare_agent_rejects_bad_input_and_reports_failures(monkeypatch)
         await none.aclose()
 
 
-
 async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_queries):
     """A pasted document as the newest shared message: the prefetch selects rows by the attention of
     the prompt's last SELECT_MAX tokens, not of the whole document, and the successor still gets its
@@ -202,7 +201,6 @@ async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_q
                     f"limit {100 + 17 * i} and retries {1 + i % 3} times." for i in range(40))
     shared = [{"role": "user", "content": TASK + "\n\nDesign notes:\n" + doc}]
     engine, exact = Engine(EngineConfig(reuse="kvcmas")), Engine(EngineConfig(reuse="none"))
-    queries = selection_queries
     try:
         engine.set_edges(EDGES[:1])
         for agent in ("planner", "coder"):
@@ -214,7 +212,8 @@ async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_q
         ref = await exact.generate(prompt("coder", later), agent="coder", sampling=FIRST)
         stats = engine.stats()
         assert stats["prefetch"]["corrections"] == stats["selections_capped"] == 1
-        assert queries[0] == correction.SELECT_MAX and all(q <= correction.SELECT_MAX for q in queries)
+        assert selection_queries[0] == correction.SELECT_MAX
+        assert all(q <= correction.SELECT_MAX for q in selection_queries)
         # The document was corrected ahead of time: nothing of it is recomputed inline.
         assert out.usage.reused_tokens > first.usage.prompt_tokens // 2
         assert out.usage.recomputed_tokens < len(first.token_ids) + 32
