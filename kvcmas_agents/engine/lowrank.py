@@ -25,6 +25,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from .code_features import features
 from .quant_rows import (BITS, channel_scale, code_bits, dequantize_rows, normalized, pack_nibbles, pack_sixes,
                          quantize_rows, row_width, unpack_nibbles, unpack_sixes)
 from .rope import rotate
@@ -250,6 +251,19 @@ class Coeffs:
                                      for u, i in zip(us, idx)], dim=1))
             return rows
         return torch.cat([u.at(layer, dtype) for u in us], dim=1)
+
+    @staticmethod
+    def features(us: list["Coeffs"], layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Several packed U factors' codes side by side as features (``code_features``): F [KVH, sum R_i,
+        2w + 1] fp32 and M [2w + 1, r] with ``F @ M == joined(us, layer)``. For plain int8 factors with
+        6-bit leading codes or a 4-bit tail that all store ``layer``; None for any other storage."""
+        first = us[0]
+        if (first.scale is not None or first.u.dtype != torch.int8 or not (first.head == 6 or first.tail)
+                or any(u.scale is not None or u.tail != first.tail or u.head != first.head or layer < u.first
+                       or u.u.dtype != torch.int8 for u in us)):
+            return None
+        codes = torch.cat([u.u[layer - u.first] for u in us], dim=1) if len(us) > 1 else first.u[layer - first.first]
+        return features(codes, first.tail, first.head)
 
     def at(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One layer's coefficients [KVH, R, r] (or all of them for the default slice), in ``dtype``."""

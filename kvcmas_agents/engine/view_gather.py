@@ -207,7 +207,7 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
         if not active:
             continue
         rows, spans, gs = st.rows[:st.ends[active - 1]], st.spans(active), st.groups[:active]
-        uk = Coeffs.joined([u for g in gs for u in g[0]], layer, q.dtype)          # [KVH, R, r]
+        uk = _coefficients([u for g in gs for u in g[0]], layer, q.dtype)
         scores.index_add_(-1, rows, _lowrank_scores(qg, [g[1] for g in gs], uk, spans, layer))
         parts.append((rows, spans, gs))
     scores = (scores * scale).view(kvh, g, n, ctx)
@@ -217,27 +217,41 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
     probs = torch.softmax(scores, dim=-1).view(kvh, g * n, ctx)
     out = probs @ v.transpose(0, 1)                                     # [KVH, G*n, D]
     for rows, spans, gs in parts:
-        uv = Coeffs.joined([u for g in gs for u in g[2]], layer, q.dtype)
+        uv = _coefficients([u for g in gs for u in g[2]], layer, q.dtype)
         out += _lowrank_values(probs.index_select(-1, rows), uv, [g[3] for g in gs], spans, layer)
     return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 
-def _lowrank_scores(qg: torch.Tensor, bases: list[Basis], u: torch.Tensor, spans: list[tuple[int, int]],
-                    layer: int) -> torch.Tensor:
+def _coefficients(us: list[Coeffs], layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Several groups' U for the low-rank terms: (U [KVH, R, r], None), or for packed codes their
+    features and map (F, M) with U = F @ M (``code_features``), which spare few queries the unpack."""
+    packed = Coeffs.features(us, layer)
+    return packed if packed is not None else (Coeffs.joined(us, layer, dtype), None)
+
+
+def _lowrank_scores(qg: torch.Tensor, bases: list[Basis], coeffs: tuple[torch.Tensor, torch.Tensor | None],
+                    spans: list[tuple[int, int]], layer: int) -> torch.Tensor:
     """(q . B^T) . U^T [KVH, G*n, R] over rows of several groups: U's rows spans[i] have bases[i]."""
+    u, m = coeffs
     if all(b.plain_identity for b in bases):
         return qg @ u.transpose(-1, -2)
     qb = qg @ Basis.stacked(bases, layer, qg.dtype).transpose(-1, -2)             # [NB, KVH, G*n, r]
-    return torch.cat([qb[i] @ u[:, a:b].transpose(-1, -2) for i, (a, b) in enumerate(spans)], dim=-1)
+    if m is not None:               # in fp32: products with the features' bytes cancel to the codes
+        qb = qb.float() @ m.T
+    return torch.cat([qb[i] @ u[:, a:b].transpose(-1, -2) for i, (a, b) in enumerate(spans)], dim=-1).to(qg.dtype)
 
 
-def _lowrank_values(p: torch.Tensor, u: torch.Tensor, bases: list[Basis], spans: list[tuple[int, int]],
-                    layer: int) -> torch.Tensor:
+def _lowrank_values(p: torch.Tensor, coeffs: tuple[torch.Tensor, torch.Tensor | None], bases: list[Basis],
+                    spans: list[tuple[int, int]], layer: int) -> torch.Tensor:
     """(P[:, rows] . U) . B [KVH, G*n, D] summed over several groups; p [KVH, G*n, R], and U's rows
     spans[i] have bases[i]."""
+    u, m = coeffs
     if all(b.plain_identity for b in bases):
         return p @ u
-    pu = torch.stack([p[..., a:b] @ u[:, a:b] for a, b in spans])                 # [NB, KVH, G*n, r]
+    pf = p if m is None else p.float()
+    pu = torch.stack([pf[..., a:b] @ u[:, a:b] for a, b in spans])                # [NB, KVH, G*n, r]
+    if m is not None:
+        pu = (pu @ m).to(p.dtype)
     return (pu @ Basis.stacked(bases, layer, p.dtype)).sum(0)
 
 
