@@ -233,7 +233,7 @@ def _lowrank_scores(qg: torch.Tensor, bases: list[Basis], coeffs: tuple[torch.Te
                     spans: list[tuple[int, int]], layer: int) -> torch.Tensor:
     """(q . B^T) . U^T [KVH, G*n, R] over rows of several groups: U's rows spans[i] have bases[i]."""
     u, m = coeffs
-    if all(b.plain_identity for b in bases):
+    if m is None and all(b.plain_identity for b in bases):
         return qg @ u.transpose(-1, -2)
     qb = qg @ Basis.stacked(bases, layer, qg.dtype).transpose(-1, -2)             # [NB, KVH, G*n, r]
     if m is not None:               # in fp32: products with the features' bytes cancel to the codes
@@ -246,7 +246,7 @@ def _lowrank_values(p: torch.Tensor, coeffs: tuple[torch.Tensor, torch.Tensor | 
     """(P[:, rows] . U) . B [KVH, G*n, D] summed over several groups; p [KVH, G*n, R], and U's rows
     spans[i] have bases[i]."""
     u, m = coeffs
-    if all(b.plain_identity for b in bases):
+    if m is None and all(b.plain_identity for b in bases):
         return p @ u
     pf = p if m is None else p.float()
     pu = torch.stack([pf[..., a:b] @ u[:, a:b] for a, b in spans])                # [NB, KVH, G*n, r]
