@@ -237,9 +237,10 @@ class Coeffs:
             return us[0].at(layer, dtype)
         if any(layer < u.first for u in us):
             return torch.cat([u.at(layer, dtype) for u in us], dim=1)
+        codes = Coeffs._plain_codes(us, layer)
+        if codes is not None:
+            return _plain(codes, us[0].tail, dtype, us[0].head)
         idx = [layer - u.first for u in us]
-        if all(u.scale is None and u.tail == us[0].tail and u.head == us[0].head for u in us):
-            return _plain(torch.cat([u.u[i] for u, i in zip(us, idx)], dim=1), us[0].tail, dtype, us[0].head)
         if all(u.scale is not None and u.bits == us[0].bits for u in us):
             # quantized rows (small corrections, or key_bits/value_bits): one dequantization, then
             # each state's channel scales over its own rows
@@ -258,12 +259,22 @@ class Coeffs:
         2w + 1] fp32 and M [2w + 1, r] with ``F @ M == joined(us, layer)``. For plain int8 factors with
         6-bit leading codes or a 4-bit tail that all store ``layer``; None for any other storage."""
         first = us[0]
-        if (first.scale is not None or first.u.dtype != torch.int8 or not (first.head == 6 or first.tail)
-                or any(u.scale is not None or u.tail != first.tail or u.head != first.head or layer < u.first
-                       or u.u.dtype != torch.int8 for u in us)):
+        if first.u.dtype != torch.int8 or not (first.head == 6 or first.tail):
             return None
-        codes = torch.cat([u.u[layer - u.first] for u in us], dim=1) if len(us) > 1 else first.u[layer - first.first]
-        return features(codes, first.tail, first.head)
+        codes = Coeffs._plain_codes(us, layer)
+        return None if codes is None else features(codes, first.tail, first.head)
+
+    @staticmethod
+    def _plain_codes(us: list["Coeffs"], layer: int) -> torch.Tensor | None:
+        """Plain factors' stored ``layer`` side by side [KVH, sum R_i, w], as stored (not unpacked), if
+        every one is plain, laid out alike (tail, head, dtype) and stores ``layer``; else None."""
+        first = us[0]
+        if any(u.scale is not None or u.tail != first.tail or u.head != first.head or u.u.dtype != first.u.dtype
+               or layer < u.first for u in us):
+            return None
+        if len(us) == 1:
+            return first.u[layer - first.first]
+        return torch.cat([u.u[layer - u.first] for u in us], dim=1)
 
     def at(self, layer: int | slice = slice(None), dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """One layer's coefficients [KVH, R, r] (or all of them for the default slice), in ``dtype``."""
