@@ -59,13 +59,17 @@ def memory_table(name: str, entry: dict[str, Any]) -> str:
 
 
 def sweep_table(entry: dict[str, Any]) -> str:
-    lines = ["| kvcmas knobs | TTFT mean ms | first-token KL | TF KL | agreement | recomputed | corrections MiB |",
-             "|---|---|---|---|---|---|---|"]
+    """One row per swept knob setting, its peak memory against the same run's baselines included."""
+    lines = ["| kvcmas knobs | TTFT mean ms | first-token KL | TF KL | agreement | recomputed | corrections MiB | "
+             "peak KV+state MiB | less than kvcomm | less than prefix |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for m in entry.get("sweep", []):
-        f = m["fidelity"]
+        f, mem, r = m["fidelity"], m["memory"], m.get("ratios", {})
         lines.append(f"| {m['label']} | {m['ttft_mean'] * 1e3:.0f} | {_kl(f.get('first_token_kl_mean'))} | "
                      f"{_kl(f.get('tf_kl_mean'))} | {f.get('agreement_mean', 0):.2f} | "
-                     f"{100 * f.get('recomputed_frac_mean', 0):.0f}% | {m['memory']['correction_bytes'] / MIB:.1f} |")
+                     f"{100 * f.get('recomputed_frac_mean', 0):.0f}% | {mem['correction_bytes'] / MIB:.1f} | "
+                     f"{mem['kv_bytes_total_peak'] / MIB:.1f} | {_x(r.get('memory_reduction_vs_kvcomm'))} | "
+                     f"{_x(r.get('memory_reduction_vs_prefix'))} |")
     return "\n".join(lines)
 
 
@@ -99,7 +103,8 @@ def markdown(result: dict[str, Any], command: str = "") -> str:
 
 
 def plot(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
-    """ttft_per_turn.png, peak_memory.png and frontier.png (when a sweep ran)."""
+    """ttft_per_turn.png, peak_memory.png and frontier.png (when a sweep ran: first-token KL against TTFT
+    and against peak memory)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -132,17 +137,20 @@ def plot(result: dict[str, Any], out_dir: Path) -> dict[str, Path]:
     swept = [(n, e) for n, e in traces.items() if e.get("sweep")]
     if swept:
         name, entry = swept[0]
-        fig, ax = plt.subplots(figsize=(6, 4.5))
-        for m in entry["sweep"]:
-            ax.scatter(1e3 * m["ttft_mean"], max(m["fidelity"].get("first_token_kl_mean", 0), 1e-7), c="tab:blue")
-            ax.annotate(m["label"].removeprefix("kvcmas"), (1e3 * m["ttft_mean"],
-                        max(m["fidelity"].get("first_token_kl_mean", 0), 1e-7)), fontsize=7)
-        for m in entry["methods"].values():
-            ax.scatter(1e3 * m["ttft_mean"], max(m["fidelity"].get("first_token_kl_mean", 0), 1e-7), marker="s")
-            ax.annotate(m["label"], (1e3 * m["ttft_mean"], max(m["fidelity"].get("first_token_kl_mean", 0), 1e-7)),
-                        fontsize=8)
-        ax.set(yscale="log", xlabel="TTFT mean ms (later turns)", ylabel="first-token KL vs exact (nats)",
-               title=f"fidelity / speed frontier ({name})")
+        kl = lambda m: max(m["fidelity"].get("first_token_kl_mean", 0), 1e-7)  # noqa: E731  (log axis)
+        axes_of = (("TTFT mean ms (later turns)", lambda m: 1e3 * m["ttft_mean"]),
+                   ("peak KV + state MiB", lambda m: m["memory"]["kv_bytes_total_peak"] / MIB))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+        for ax, (xlabel, x) in zip(axes, axes_of):
+            for m in entry["sweep"]:
+                ax.scatter(x(m), kl(m), c="tab:blue")
+                ax.annotate(m["label"].removeprefix("kvcmas"), (x(m), kl(m)), fontsize=7)
+            for m in entry["methods"].values():
+                ax.scatter(x(m), kl(m), marker="s")
+                ax.annotate(m["label"], (x(m), kl(m)), fontsize=8)
+            ax.set(yscale="log", xlabel=xlabel, ylabel="first-token KL vs exact (nats)")
+        axes[0].set_title(f"fidelity / speed frontier ({name})")
+        axes[1].set_title(f"fidelity / memory frontier ({name})")
         fig.tight_layout()
         paths["frontier"] = out_dir / "frontier.png"
         fig.savefig(paths["frontier"], dpi=110)

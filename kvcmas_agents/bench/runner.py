@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from statistics import fmean, median
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -144,11 +144,12 @@ class _Bench:
                 "concurrent_tok_s": tokens / conc, "speedup": seq / conc, "max_batch_seqs": batch}
 
 
-def _ratios(methods: dict[str, dict[str, Any]]) -> None:
-    """Add TTFT ratios against prefix/none and peak-memory ratios against kvcomm/prefix, in place."""
+def _ratios(points: Iterable[dict[str, Any]], methods: dict[str, dict[str, Any]]) -> None:
+    """Add TTFT ratios against prefix/none and peak-memory ratios against kvcomm/prefix (the ``methods``
+    of the same run), in place, to each of ``points``."""
     def ratio(a: float, b: float) -> float | None:
         return a / b if b else None
-    for m in methods.values():
+    for m in points:
         peak = m["memory"]["kv_bytes_total_peak"]
         m["ratios"] = {
             f"ttft_speedup_vs_{base}": ratio(methods[base]["ttft_mean"], m["ttft_mean"])
@@ -195,14 +196,16 @@ async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
             log(f"[bench] {trace.name}/{name}: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, peak "
                 f"{m['memory']['kv_bytes_total_peak'] / 2**20:.1f} MiB, first-token KL "
                 f"{f.get('first_token_kl_mean', 0):.3g}, {m['wall_s']:.0f} s")
-        _ratios(entry["methods"])
+        _ratios(entry["methods"].values(), entry["methods"])
         if cfg.sweep and trace.name == cfg.sweep_trace:
             entry["sweep"] = []
             for method in cfg.sweep:
                 m = await bench.replay(trace, exact, method)
                 entry["sweep"].append(m)
-                log(f"[bench] sweep {method.label}: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, first-token KL "
+                log(f"[bench] sweep {method.label}: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, peak "
+                    f"{m['memory']['kv_bytes_total_peak'] / 2**20:.1f} MiB, first-token KL "
                     f"{m['fidelity'].get('first_token_kl_mean', 0):.3g}")
+            _ratios(entry["sweep"], entry["methods"])
         if cfg.throughput_tokens and trace is cfg.traces[0]:
             entry["throughput"] = [await bench.throughput(trace, exact, METHODS[n])
                                    for n in ("prefix", "kvcmas") if n in cfg.methods]

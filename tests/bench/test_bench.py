@@ -70,11 +70,16 @@ def test_agents_are_declared_to_every_reusing_engine(report):
 
 
 def test_sweep_and_throughput(report):
-    _, result = report
+    out, result = report
     entry = result["traces"]["csv"]
     (point,) = entry["sweep"]
     assert point["knobs"]["recompute_ratio"] == 1.0
     assert point["fidelity"]["first_token_kl_max"] < 1e-4            # ratio 1.0 is exact
+    kvcomm = entry["methods"]["kvcomm"]["memory"]["kv_bytes_total_peak"]
+    assert point["ratios"]["memory_reduction_vs_kvcomm"] == pytest.approx(
+        kvcomm / point["memory"]["kv_bytes_total_peak"])            # against the same run's baseline
+    (row,) = [line for line in (out / "bench.md").read_text().splitlines() if line.startswith(f"| {point['label']} |")]
+    assert f"| {point['ratios']['memory_reduction_vs_kvcomm']:.2f}x |" in row
     for t in entry["throughput"]:
         assert t["concurrent_tok_s"] > 0 and t["sequential_tok_s"] > 0 and t["max_batch_seqs"] >= 2
 
@@ -87,9 +92,10 @@ def test_sweep_options_replace_the_presets_axes():
     parser = argparse.ArgumentParser()
     add_args(parser)
     labels = lambda argv: [m.label for m in sweep_of(parser.parse_args(argv))]  # noqa: E731
-    assert labels(["--preset", "full"]) == ["kvcmas(r=0.3)", "kvcmas(prefetch=False)"]
-    assert labels(["--preset", "full", "--sweep-ratios", "--sweep-prefetch-ratios", "0.5", "0.7"]) == [
-        "kvcmas(pr=0.5)", "kvcmas(pr=0.7)", "kvcmas(prefetch=False)"]
+    assert labels(["--preset", "full"]) == ["kvcmas(r=0.3)", "kvcmas(k=24)", "kvcmas(k=32)", "kvcmas(pr=0.5)",
+                                            "kvcmas(prefetch=False)"]
+    assert labels(["--preset", "full", "--sweep-ratios", "--sweep-ranks", "--sweep-prefetch-ratios", "0.5",
+                   "0.7"]) == ["kvcmas(pr=0.5)", "kvcmas(pr=0.7)", "kvcmas(prefetch=False)"]
     assert labels(["--preset", "full", "--sweep-prefetch-ratios", "0.5", "--no-sweep"]) == []
 
 
