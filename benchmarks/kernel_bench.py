@@ -40,10 +40,10 @@ class Row:
 
 
 def _case(ctx: int, tq: int, args, device: torch.device, dtype: torch.dtype, gen: torch.Generator):
-    from kvcmas_agents.engine.lowrank import LowRankDelta
-    from kvcmas_agents.engine.realign import Realigner
-    from kvcmas_agents.engine.rope import inv_frequencies
-    from kvcmas_agents.engine.view_attention import OwnPiece, SegmentPiece
+    from kvcmas_agents.reuse.storage.lowrank import LowRankDelta
+    from kvcmas_agents.reuse.realign import Realigner
+    from kvcmas_agents.model.rope import inv_frequencies
+    from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece
 
     kvh, dim, block = args.kv_heads, args.head_dim, 16
     blocks = -(-ctx // block) + 8
@@ -91,9 +91,9 @@ def _timer(device: torch.device, warmup: int, iters: int) -> Callable[[Callable[
 
 
 def bench(args) -> list[Row]:
-    from kvcmas_agents.engine.attention import sdpa
-    from kvcmas_agents.engine.view_gather import build_view, gathered_attention
-    from kvcmas_agents.engine.view_pack import pack_view
+    from kvcmas_agents.model.attention import sdpa
+    from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention
+    from kvcmas_agents.reuse.views.pack import pack_view
     from kvcmas_agents.kernels.view_attention import view_attention_fwd
 
     device = torch.device(args.device)
@@ -106,7 +106,7 @@ def bench(args) -> list[Row]:
             q, qpos, pieces, slots, kc, vc, realigner = _case(ctx, tq, args, device, dtype, gen)
             scale = args.head_dim ** -0.5
             desc = pack_view(pieces, realigner, device)
-            view = build_view(pieces, realigner, device, dtype)
+            view = build_gathered(pieces, realigner, device, dtype)
             ref = gathered_attention(q, view, kc, vc, 0, scale)
             out = view_attention_fwd(q, qpos, kc, vc, desc, 0, scale)
             err = (out.float() - ref.float()).abs().max().item()

@@ -17,6 +17,7 @@ import json
 
 from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.fidelity import kl
+from kvcmas_agents import KVCMASConfig
 
 FIRST = SamplingParams(max_tokens=1, return_logits=True)
 SYSTEM = {"a": "You are agent A. You plan.", "b": "You are agent B. You debug."}
@@ -36,7 +37,7 @@ async def run(shared_tokens: int, tail_tokens: int) -> dict:
     result: dict = {"shared_tokens": shared_tokens, "tail_tokens": tail_tokens, "modes": {}}
     ref = None
     for mode in ("none", "prefix", "kvcmas"):
-        engine = Engine(EngineConfig(reuse=mode, prefetch=False))
+        engine = Engine(EngineConfig(reuse=mode, kvcmas=KVCMASConfig(prefetch=False)))
         try:
             await engine.generate([{"role": "system", "content": SYSTEM["a"]}] + shared, agent="a", sampling=FIRST)
             out = await engine.generate([{"role": "system", "content": SYSTEM["b"]}] + shared + tail, agent="b",
@@ -48,7 +49,8 @@ async def run(shared_tokens: int, tail_tokens: int) -> dict:
         result["modes"][mode] = {
             "ttft_s": out.ttft_s, "vs_none": ref.ttft_s / out.ttft_s, "prompt_tokens": out.usage.prompt_tokens,
             "reused_tokens": out.usage.reused_tokens, "recomputed_tokens": out.usage.recomputed_tokens,
-            "selections_capped": stats["selections_capped"], "first_token_kl": kl(ref.logits[0], out.logits[0])}
+            "selections_capped": stats["reuse"]["kvcmas"]["selections_capped"], "first_token_kl": kl(ref.logits[0],
+                                                                                                     out.logits[0])}
     return result
 
 

@@ -4,7 +4,7 @@
 
 Plays the trace's exact pass, then replays it through a kvcmas engine at its defaults as ``kvcmas bench``
 does (agents declared, whole replies decoded), capturing every deviation the engine compresses (by
-wrapping ``engine.correction``'s ``compress`` and ``compress_joint``). Reports, as JSON and markdown:
+wrapping ``reuse.kvcmas.correction``'s ``compress`` and ``compress_joint``). Reports, as JSON and markdown:
 
 - the correction states held at the end, by agent, storage (factored, or rows) and whether a later
   real request read them (those not read were made for turns the trace does not have);
@@ -31,13 +31,16 @@ import torch
 
 from kvcmas_agents.bench.methods import METHODS
 from kvcmas_agents.bench.traces import get_traces
-from kvcmas_agents.engine import Engine, correction
-from kvcmas_agents.engine.lowrank import (captured_energy, compress, faint_layers, layer_energy, rows_are_smaller,
+from kvcmas_agents.engine import Engine
+from kvcmas_agents.reuse.storage.lowrank import (captured_energy, compress, faint_layers, layer_energy,
+                                                 rows_are_smaller,
                                          unique_nbytes)
 from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
 from kvcmas_agents.fidelity.conversation import run_exact_and_close
 from kvcmas_agents.fidelity.replay import replay
 from kvcmas_agents.fidelity.scenarios import declare_systems
+from kvcmas_agents.reuse.kvcmas import correction
+from kvcmas_agents.reuse.storage.lowrank import Format
 
 ROW_BITS = (8, 6, 4)
 UNCORRECTED = correction.UNCORRECTED_LAYERS
@@ -48,7 +51,7 @@ def capture(engine: Engine) -> Iterator[list[dict[str, Any]]]:
     """Record each deviation the engine's corrector compresses: agent, request, rows, dk/dv (fp32, CPU)."""
     calls: list[dict[str, Any]] = []
     current: dict[str, str] = {}
-    corrector = engine.corrector
+    corrector = engine.methods["kvcmas"].corrector
     recompute, single, joint = corrector._recompute, correction.compress, correction.compress_joint
 
     def record(dk: torch.Tensor, dv: torch.Tensor) -> None:
@@ -77,7 +80,7 @@ def capture(engine: Engine) -> Iterator[list[dict[str, Any]]]:
 def rows_loss(d: torch.Tensor, bits: int, channels: bool) -> float:
     """Share of d's [L, KVH, R, D] energy lost as ``bits``-bit rows, stored as the engine stores them
     (``compress`` with key_bits/value_bits; keys get channel scales first)."""
-    state = compress(d, d, torch.arange(d.shape[2]), 0, key_bits=bits, value_bits=bits)
+    state = compress(d, d, torch.arange(d.shape[2]), 0, Format(key_bits=bits, value_bits=bits))
     back = (state.key_coeffs() if channels else state.value_coeffs()).at()
     return float((back - d).pow(2).sum() / d.pow(2).sum())
 
@@ -164,7 +167,7 @@ def analyse(calls: list[dict[str, Any]], rank: int, first: int, faint: float = 0
 def held(engine: Engine, read: set) -> list[dict[str, Any]]:
     """The correction states held, one row per (agent, segment, position, context)."""
     out = []
-    for key, corr in engine.scheduler.segments.held_corrections().items():
+    for key, corr in engine.segments.held_corrections().items():
         own = corr.own
         out.append({"agent": corr.agent, "rows": own.num_rows,
                     "bytes": own.nbytes - unique_nbytes([own], bases_only=True),
@@ -194,7 +197,7 @@ async def probe(preset: str, trace_name: str, dtype: str | None) -> dict[str, An
             engine.set_edges(trace.scenario.edges)
             declare_systems(engine, trace.scenario)
             read: set = set()
-            lookup = engine.scheduler.segments.correction
+            lookup = engine.segments.correction
 
             def reading(agent, tokens, start, context):
                 found = lookup(agent, tokens, start, context)
@@ -202,19 +205,20 @@ async def probe(preset: str, trace_name: str, dtype: str | None) -> dict[str, An
                     read.add((agent, tokens, start, context))
                 return found
 
-            engine.scheduler.segments.correction = reading
+            engine.segments.correction = reading
             with capture(engine) as calls:
                 await replay(engine, exact, 16, True)
             stats = engine.stats()
             items = held(engine, read)
         finally:
             await engine.aclose()
-        cfg = engine.config
-        return {"preset": preset, "trace": trace_name, "dtype": stats["dtype"], "rank": cfg.rank,
-                "small_row_bits": cfg.small_row_bits, "u_head_bits": cfg.u_head_bits,
-                "uncorrected_energy": cfg.uncorrected_energy, "correction_mib": stats["correction_bytes"] / 2**20,
-                "basis_mib": stats["correction_basis_bytes"] / 2**20, "held": summarize_held(items),
-                "deviations": analyse(calls, cfg.rank, UNCORRECTED, cfg.uncorrected_energy)}
+        cfg, spec = engine.config.kvcmas, engine.config.kvcmas.storage
+        kvcmas = stats["reuse"]["kvcmas"]
+        return {"preset": preset, "trace": trace_name, "dtype": stats["engine"]["dtype"], "rank": cfg.rank,
+                "small_row_bits": spec.small_row_bits, "u_head_bits": spec.u_head_bits,
+                "uncorrected_energy": spec.uncorrected_energy, "correction_mib": kvcmas["correction_bytes"] / 2**20,
+                "basis_mib": kvcmas["correction_basis_bytes"] / 2**20, "held": summarize_held(items),
+                "deviations": analyse(calls, cfg.rank, UNCORRECTED, spec.uncorrected_energy)}
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -232,7 +236,8 @@ def markdown(r: dict[str, Any]) -> str:
         lines += [f"| {k} | {v['dk']:.4%} | {v['dv']:.4%} |" for k, v in d["small_lost"].items() if isinstance(v, dict)]
     if "layers" in d:
         e = d["layers"]
-        lines += ["", "| layer | key energy | value energy | keys up to it | values up to it |", "|---|---|---|---|---|"]
+        lines += ["", "| layer | key energy | value energy | keys up to it | values up to it |",
+                  "|---|---|---|---|---|"]
         ck = cv = 0.0
         for i, (k, v) in enumerate(zip(e["dk"], e["dv"])):
             ck, cv = ck + k, cv + v

@@ -41,7 +41,8 @@ async def main(max_tokens: int, reuse: str | None) -> None:
         if source is not None and isinstance(content, str):
             print(f"\n---------- {source} ----------\n{content}")
     stats = client.engine.stats()
-    print(f"\nengine: {stats['model']} on {stats['device']}, reuse={stats['reuse']}, edges={stats['edges']}")
+    e = stats["engine"]
+    print(f"\nengine: {e['model']} on {e['device']}, reuse={e['reuse']}, edges={stats['edges']}")
     print(f"{'agent':<12}{'requests':>9}{'prompt':>8}{'cached':>8}{'reused':>8}{'recomputed':>11}{'new':>6}")
     for name, a in stats["agents"].items():
         print(f"{name:<12}{int(a['requests']):>9}{int(a['prompt_tokens']):>8}{int(a['cached_tokens']):>8}"

@@ -78,9 +78,10 @@ async def main(max_tokens: int, reuse: str | None) -> None:
     print(f"\n--- summary\n{out['summary']}")
 
     stats = llm.get_engine().stats()
-    batched = "the experts ran batched" if stats["max_batch_seqs"] > 1 else "no batching happened"
-    print(f"\nengine: {stats['model']} on {stats['device']}, reuse={stats['reuse']}; {stats['steps']} forward "
-          f"steps, up to {stats['max_batch_seqs']} sequences in one step ({batched})")
+    batched = "the experts ran batched" if stats["counters"]["max_batch_seqs"] > 1 else "no batching happened"
+    e, c = stats["engine"], stats["counters"]
+    print(f"\nengine: {e['model']} on {e['device']}, reuse={e['reuse']}; {c['steps']} forward "
+          f"steps, up to {c['max_batch_seqs']} sequences in one step ({batched})")
     print(f"{'agent':<20}{'prompt':>8}{'cached':>8}{'reused':>8}{'recomputed':>11}{'new':>6}{'ttft_s':>8}")
     for name, a in stats["agents"].items():
         print(f"{name:<20}{int(a['prompt_tokens']):>8}{int(a['cached_tokens']):>8}{int(a['reused_tokens']):>8}"

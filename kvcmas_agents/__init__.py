@@ -1,7 +1,7 @@
 """kvcmas-agents: one embedded LLM engine for multi-agent LangGraph and AutoGen workflows."""
 from .engine import (
-    ContextLengthError, Engine, EngineClosedError, EngineConfig, EngineError, InvalidRequestError,
-    ModelNotFoundError, RequestOutput, ReuseOptions, SamplingParams, StreamDelta, Usage,
+    ContextLengthError, Engine, EngineClosedError, EngineConfig, EngineError, InvalidRequestError, KVCMASConfig,
+    ModelNotFoundError, RequestOutput, ReuseOptions, SamplingParams, StorageSpec, StreamDelta, Usage,
 )
 
 __version__ = "0.1.0"
@@ -9,7 +9,8 @@ __version__ = "0.1.0"
 # Framework adapters load on first use, so importing kvcmas_agents needs no framework installed.
 _LAZY_INTEGRATIONS = ("KVCMASClient", "register_team", "ChatKVCMAS", "register_graph")
 __all__ = [
-    "Engine", "EngineConfig", "ReuseOptions", "SamplingParams", "RequestOutput", "StreamDelta", "Usage",
+    "Engine", "EngineConfig", "KVCMASConfig", "StorageSpec", "ReuseOptions", "SamplingParams", "RequestOutput",
+    "StreamDelta", "Usage",
     "InvalidRequestError", "ContextLengthError", "EngineError", "EngineClosedError", "ModelNotFoundError",
     *_LAZY_INTEGRATIONS,
 ]

@@ -13,7 +13,7 @@ from typing import Callable, NamedTuple
 from .demos import engine_pipeline as demo
 from .demos import langgraph_pipeline
 from .engine import Engine, EngineConfig, EngineError, InvalidRequestError, ModelNotFoundError, SamplingParams
-from .engine.loader import ensure_safetensors
+from .model.loader import ensure_safetensors
 from .bench import cli as bench_cli
 from .fidelity import cli as fidelity_cli
 
@@ -78,15 +78,16 @@ def run_info(args: argparse.Namespace) -> int:
     try:
         _, path = ensure_safetensors(engine.config.model, engine.config.cache_dir)
         s, a = engine.stats(), engine.args
+        e, m = s["engine"], s["memory"]
         mib = 1024 ** 2
         rows = [
-            ("model", engine.model_name), ("path", str(path)), ("device", s["device"]), ("dtype", s["dtype"]),
+            ("model", engine.model_name), ("path", str(path)), ("device", e["device"]), ("dtype", e["dtype"]),
             ("context length", str(engine.max_context)),
             ("layers / heads / kv heads", f"{a.num_layers} / {a.num_heads} / {a.num_kv_heads}"),
-            ("KV budget", f"{s['kv_budget_bytes'] / mib:.0f} MiB ({s['blocks_total']} blocks)"),
-            ("KV block", f"{s['block_size']} tokens, {s['block_bytes']} bytes "
-                         f"({s['block_bytes'] // s['block_size']} bytes/token)"),
-            ("reuse", s["reuse"]),
+            ("KV budget", f"{m['kv_budget_bytes'] / mib:.0f} MiB ({m['blocks_total']} blocks)"),
+            ("KV block", f"{e['block_size']} tokens, {m['block_bytes']} bytes "
+                         f"({m['block_bytes'] // e['block_size']} bytes/token)"),
+            ("reuse", e["reuse"]),
         ]
         width = max(len(k) for k, _ in rows)
         for key, value in rows:

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from .engine import Engine, EngineConfig
-from .engine.config import DEFAULT_MODEL
+from .model.loader import DEFAULT_MODEL
 
 ADAPTER_REUSE = "kvcmas"
 """Reuse mode the framework adapters create a shared engine with when the user names none."""

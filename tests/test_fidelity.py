@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcmas_agents import ReuseOptions
+from kvcmas_agents import KVCMASConfig, ReuseOptions, StorageSpec
 from kvcmas_agents.cli import COMMANDS
 from kvcmas_agents.fidelity import (
     CSV_SYSTEM, CSV_TASK, SCENARIOS, SweepGrid, kl, run_fidelity, turn_metrics, write_report,
@@ -92,19 +92,22 @@ def test_cli_command_registered():
     assert "fidelity" in COMMANDS
 
 
-def test_storage_options_become_engine_config_fields():
+def test_storage_options_become_the_engines_storage_spec():
     import argparse
 
-    from kvcmas_agents.fidelity.cli import add_args, storage_of
+    from kvcmas_agents.fidelity.cli import add_args, settings_of, storage_of
     parser = argparse.ArgumentParser()
     add_args(parser)
-    assert storage_of(parser.parse_args([])) == {}
-    assert storage_of(parser.parse_args(["--correction-dtype", "int8_basis", "--u8-components", "28"])) == {
-        "correction_dtype": "int8_basis", "u8_components": 28}
-    assert storage_of(parser.parse_args(["--u8-components", "all"])) == {"u8_components": None}
-    assert storage_of(parser.parse_args(["--small-row-bits", "8"])) == {"small_row_bits": 8}
-    assert storage_of(parser.parse_args(["--u-head-bits", "8"])) == {"u_head_bits": 8}
-    assert parser.parse_args(["--value-bits", "6", "--key-bits", "6"]).value_bits == 6
+    assert storage_of(parser.parse_args([])) == StorageSpec()
+    assert storage_of(parser.parse_args(["--correction-dtype", "int8", "--u8-components", "20"])) == StorageSpec(
+        dtype="int8", u8_components=20)
+    assert storage_of(parser.parse_args(["--u8-components", "all"])) == StorageSpec(u8_components=None)
+    assert storage_of(parser.parse_args(["--small-row-bits", "8"])) == StorageSpec(small_row_bits=8)
+    assert storage_of(parser.parse_args(["--u-head-bits", "8"])) == StorageSpec(u_head_bits=8)
+    assert storage_of(parser.parse_args(["--value-bits", "6", "--key-bits", "6"])) == StorageSpec(value_bits=6,
+                                                                                                   key_bits=6)
+    assert storage_of(parser.parse_args(["--no-small-rows"])) == StorageSpec(small_rows=False)
+    assert settings_of(parser.parse_args(["--prefetch-ratio", "0.7"])) == KVCMASConfig(prefetch_ratio=0.7)
     for bad in (["--u8-components", "many"], ["--small-row-bits", "5"], ["--u-head-bits", "4"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
@@ -127,8 +130,9 @@ async def test_tiny_end_to_end_run(tmp_path):
     result = await run_fidelity([mini], modes=("prefix", "naive", "kvcmas"), reply_tokens=16, eval_tokens=8,
                                 knobs=ReuseOptions(recompute_ratio=0.3, rank=16),
                                 sweep=SweepGrid("mini", ratios=(0.3, 1.0), ranks=(16,), eval_tokens=4),
-                                device="cpu", log=lambda msg: None, prefetch_ratio=0.8,
-                                storage={"correction_dtype": "int8_basis", "u8_components": 8, "small_row_bits": 8})
+                                device="cpu", log=lambda msg: None,
+                                settings=KVCMASConfig(prefetch_ratio=0.8, storage=StorageSpec(u8_components=8,
+                                                                                              small_row_bits=8)))
     # Engines got the caller's thread count, and the caller's own count is back after the run.
     assert result["config"]["torch_threads"] == threads == torch.get_num_threads()
     assert result["config"]["device_used"] == "cpu" and result["config"]["dtype"] == "float32"
@@ -146,9 +150,10 @@ async def test_tiny_end_to_end_run(tmp_path):
         for key in ("first_token_kl", "tf_kl_mean", "agreement", "matched", "reused_frac", "recomputed_frac"):
             assert key in m["turns"][1]
     assert entry["modes"]["kvcmas"]["stats"]["prefetch_ratio"] == 0.8
-    assert data["config"]["u8_components"] == entry["modes"]["kvcmas"]["stats"]["u8_components"] == 8
+    storage = data["config"]["settings"]["storage"]
+    assert storage["u8_components"] == entry["modes"]["kvcmas"]["stats"]["u8_components"] == 8
     assert entry["modes"]["kvcmas"]["stats"]["correction_dtype"] == "int8_basis"
-    assert data["config"]["small_row_bits"] == entry["modes"]["kvcmas"]["stats"]["small_row_bits"] == 8
+    assert storage["small_row_bits"] == entry["modes"]["kvcmas"]["stats"]["small_row_bits"] == 8
     # Every replay's engine had the agents' system prompts declared first (as the adapters do).
     assert data["config"]["declare"] is True
     assert all(entry["modes"][m]["stats"]["declared"] == len(mini.systems) for m in ("prefix", "naive", "kvcmas"))

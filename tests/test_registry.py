@@ -13,7 +13,7 @@ def test_shared_engines_are_closed_at_interpreter_exit():
         import atexit
         held = {}
         # registered before the registry's hook, so it runs after it (atexit is last in, first out)
-        atexit.register(lambda: print("closed", held["e"]._closed, "alive", held["e"]._worker.is_alive()))
+        atexit.register(lambda: print("closed", held["e"]._closed, "alive", held["e"]._thread.is_alive()))
         from kvcmas_agents.registry import get_engine
         held["e"] = get_engine(reuse="prefix", device="cpu")
     """)

@@ -3,13 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine import EngineConfig
+from ..engine import EngineConfig, KVCMASConfig, StorageSpec
+
+# Method knobs that are StorageSpec fields, by StorageSpec name.
+STORAGE = {"value_bits": "value_bits", "key_bits": "key_bits", "small_rows": "small_rows",
+           "small_row_bits": "small_row_bits", "u_head_bits": "u_head_bits",
+           "uncorrected_energy": "uncorrected_energy", "correction_dtype": "dtype", "u8_components": "u8_components"}
 
 
 @dataclass(frozen=True)
 class Method:
-    """A reuse mode plus the knobs it runs with (None keeps the engine default; u8_components="all"
-    keeps every component of U at 8 bits)."""
+    """A reuse mode plus the knobs it runs with: KVCMASConfig's and StorageSpec's fields (None keeps the
+    default; u8_components="all" keeps every component of U at its head bits)."""
 
     name: str
     reuse: str
@@ -35,15 +40,18 @@ class Method:
 
     def config(self, model: str | None, device: str, **extra) -> EngineConfig:
         knobs = self._knobs()
-        if knobs.get("u8_components") == "all":
-            knobs["u8_components"] = None
-        return EngineConfig(model=model, device=device, reuse=self.reuse, **knobs, **extra)
+        storage = {STORAGE[k]: knobs.pop(k) for k in list(knobs) if k in STORAGE}
+        if storage.get("u8_components") == "all":
+            storage["u8_components"] = None
+        return EngineConfig(model=model, device=device, reuse=self.reuse,
+                            kvcmas=KVCMASConfig(**knobs, storage=StorageSpec(**storage)), **extra)
 
     @property
     def label(self) -> str:
         short = {"recompute_ratio": "r", "rank": "k", "reference": "ref", "prefetch": "prefetch",
                  "prefetch_ratio": "pr", "value_bits": "vbits", "key_bits": "kbits",
-                 "small_rows": "rows", "small_row_bits": "rbits", "u_head_bits": "hbits", "uncorrected_energy": "faint", "correction_dtype": "dtype",
+                 "small_rows": "rows", "small_row_bits": "rbits", "u_head_bits": "hbits", "uncorrected_energy": "faint",
+                 "correction_dtype": "dtype",
                  "u8_components": "u8"}
         knobs = self._knobs()
         if not knobs:
@@ -55,23 +63,23 @@ METHODS: dict[str, Method] = {
     "none": Method("none", "none"),                    # every request prefills its whole prompt
     "prefix": Method("prefix", "prefix"),              # per-agent exact prefix caching (vLLM/SGLang style)
     "naive": Method("naive", "naive"),                 # cross-agent reuse, RoPE realignment only
-    "cacheblend": Method("cacheblend", "cacheblend", recompute_ratio=0.15),   # CacheBlend's ~15% HKVD
+    "cacheblend": Method("cacheblend", "cacheblend"),  # CacheBlend at its paper's ~15% (CacheBlendConfig)
     "kvcomm": Method("kvcomm", "kvcomm"),              # anchor pool of full-size offsets
     "kvcmas": Method("kvcmas", "kvcmas"),              # ours, engine-default knobs
-    # ours with every side factored, small corrections too (EngineConfig.small_rows=False): the ablation
+    # ours with every side factored, small corrections too (StorageSpec.small_rows=False): the ablation
     "kvcmas-svd": Method("kvcmas-svd", "kvcmas", small_rows=False),
-    # ours with the values kept as 4-bit rows (EngineConfig.value_bits): fewer bytes, see README
+    # ours with the values kept as 4-bit rows (StorageSpec.value_bits): fewer bytes, see README
     "kvcmas-v4": Method("kvcmas-v4", "kvcmas", value_bits=4),
     # ours with keys as 8-bit rows (channel then row scales) and values as 4-bit rows: no SVD at all
     "kvcmas-k8v4": Method("kvcmas-k8v4", "kvcmas", value_bits=4, key_bits=8),
-    # ours with keys and values as 4-bit rows (EngineConfig.key_bits, value_bits): no SVD at all
+    # ours with keys and values as 4-bit rows (StorageSpec.key_bits, value_bits): no SVD at all
     "kvcmas-kv4": Method("kvcmas-kv4", "kvcmas", value_bits=4, key_bits=4),
-    # ours with small corrections' rows in 8 bits (EngineConfig.small_row_bits), the storage before 6-bit rows
+    # ours with small corrections' rows in 8 bits (StorageSpec.small_row_bits), the storage before 6-bit rows
     "kvcmas-rows8": Method("kvcmas-rows8", "kvcmas", small_row_bits=8),
-    # ours with U's leading components in 8 bits and every layer from 1 stored (EngineConfig.u_head_bits,
+    # ours with U's leading components in 8 bits and every layer from 1 stored (StorageSpec.u_head_bits,
     # uncorrected_energy): the storage defaults before 6-bit U codes and faint layers
     "kvcmas-u8": Method("kvcmas-u8", "kvcmas", u_head_bits=8, uncorrected_energy=0.0),
-    # ours storing every layer from 1 on (EngineConfig.uncorrected_energy=0)
+    # ours storing every layer from 1 on (StorageSpec.uncorrected_energy=0)
     "kvcmas-all-layers": Method("kvcmas-all-layers", "kvcmas", uncorrected_energy=0.0),
     # ours with the storage defaults before 4-bit tails: U all in int8, B in bf16 (the comparison)
     "kvcmas-int8": Method("kvcmas-int8", "kvcmas", correction_dtype="int8", u8_components="all", u_head_bits=8),

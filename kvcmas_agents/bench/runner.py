@@ -18,6 +18,7 @@ import torch
 
 from ..engine import Engine, SamplingParams
 from ..fidelity.conversation import ExactTurn, run_exact_and_close
+from ..fidelity.engine_figures import engine_figures
 from ..fidelity.replay import ReplayTurn, replay
 from ..fidelity.scenarios import declare_systems
 from ..fidelity.summary import summarize
@@ -99,7 +100,7 @@ class _Bench:
             t0 = time.perf_counter()
             turns = await replay(engine, exact, self.cfg.eval_tokens, self.cfg.full_decode)
             wall = time.perf_counter() - t0
-            stats = engine.stats()
+            stats = engine_figures(engine.stats())
             memory = {k: int(stats.get(k, 0)) for k in MEMORY_KEYS}
             if self.cuda:
                 memory["cuda_peak_over_pool_bytes"] = int(torch.cuda.max_memory_allocated() - base)
@@ -135,7 +136,7 @@ class _Bench:
             outs = await asyncio.gather(*(engine.generate(t.messages, agent=t.agent, sampling=sampling)
                                           for t in turns))
             conc = time.perf_counter() - t0
-            batch = engine.stats()["max_batch_seqs"]
+            batch = engine.stats()["counters"]["max_batch_seqs"]
         finally:
             await engine.aclose()
         tokens = sum(o.usage.completion_tokens for o in outs)

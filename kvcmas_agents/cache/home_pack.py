@@ -5,11 +5,8 @@ role trailer would hold a whole 16-slot block, and every message's first and las
 with text no home keeps (a request's generation prompt, a reused span's unwritten slots). So a home
 keeps in place only the blocks its tokens fill whole; the tokens in its partial edge blocks are copied
 (every layer, K and V) into *pack* blocks that home views fill one after another. Once the request
-that computed them ends, the partial blocks go back to the free list.
-
-Measured on the bench pipeline (`kvcmas bench --preset full --traces pipeline`, kvcmas): its 1,639
-home-view tokens held 124 blocks (87.2 MiB in fp32) before packing and 103 (72.4 MiB) with it; the
-floor is 103.
+that computed them ends, the partial blocks go back to the free list, and home views hold about
+one block per block_size of their tokens.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping
 
-from .errors import ContextLengthError, InvalidRequestError
+from ..errors import ContextLengthError, InvalidRequestError
 from .tools import format_tool_call, new_call_id, normalize_tools, tool_choice_instruction, tool_instructions
 
 ROLES = ("system", "user", "assistant", "tool")

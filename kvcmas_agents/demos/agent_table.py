@@ -4,7 +4,8 @@ from __future__ import annotations
 
 def print_agent_stats(stats: dict, width: int = 10) -> None:
     """One line per agent: requests, prompt/cached/reused/recomputed/generated tokens and mean TTFT."""
-    print(f"\nengine: {stats['model']} on {stats['device']}, reuse={stats['reuse']}, edges={stats['edges']}")
+    e = stats["engine"]
+    print(f"\nengine: {e['model']} on {e['device']}, reuse={e['reuse']}, edges={stats['edges']}")
     print(f"{'agent':<{width}}{'requests':>9}{'prompt':>8}{'cached':>8}{'reused':>8}{'recomputed':>11}{'new':>6}"
           f"{'ttft_s':>8}")
     for name, a in stats["agents"].items():

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from ..engine import Engine, EngineConfig, InvalidRequestError, ModelNotFoundError, SamplingParams
-from ..engine.config import REUSE_MODES
+from ..reuse import names as reuse_modes
 
 
 @dataclass(frozen=True)
@@ -178,16 +178,16 @@ def format_table(records: list[dict]) -> str:
 def format_stats(stats: dict[str, Any]) -> str:
     """A few summary lines from ``engine.stats()``."""
     mib = 1024 ** 2
-    prompt = stats.get("prompt_tokens", 0)
-    hits = stats.get("prefix_hit_tokens", 0)
+    e, m, c = stats["engine"], stats["memory"], stats["counters"]
+    prompt, hits = c["prompt_tokens"], c["cached_tokens"]
     ratio = 100.0 * hits / prompt if prompt else 0.0
     return "\n".join([
-        f"model {stats['model']} on {stats['device']} ({stats['dtype']}), reuse={stats['reuse']}",
-        f"KV cache: {stats['kv_bytes'] / mib:.1f} MiB now, {stats['kv_bytes_peak'] / mib:.1f} MiB peak "
-        f"(budget {stats['kv_budget_bytes'] / mib:.0f} MiB, {stats['blocks_cached']} cached blocks)",
+        f"model {e['model']} on {e['device']} ({e['dtype']}), reuse={e['reuse']}",
+        f"KV cache: {m['kv_bytes'] / mib:.1f} MiB now, {m['kv_bytes_peak'] / mib:.1f} MiB peak "
+        f"(budget {m['kv_budget_bytes'] / mib:.0f} MiB, {m['blocks_cached']} cached blocks)",
         f"prefix hits: {hits} of {prompt} prompt tokens ({ratio:.0f}%)",
-        f"requests: {stats.get('completed', 0)} done, {stats.get('completion_tokens', 0)} tokens generated, "
-        f"largest batch {stats.get('max_batch_seqs', 0)} sequences",
+        f"requests: {c['completed']} done, {c['completion_tokens']} tokens generated, "
+        f"largest batch {c['max_batch_seqs']} sequences",
     ])
 
 
@@ -206,7 +206,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``kvcmas demo`` and ``examples/engine_pipeline.py``."""
     parser.add_argument("--rounds", type=int, default=2, help="pipeline rounds (default 2)")
     parser.add_argument("--max-tokens", type=int, default=96, help="max new tokens per turn (default 96)")
-    parser.add_argument("--reuse", choices=REUSE_MODES, default="prefix", help="KV reuse mode (default prefix)")
+    parser.add_argument("--reuse", choices=reuse_modes(), default="prefix", help="KV reuse mode (default prefix)")
     parser.add_argument("--model", default=None, help="local checkpoint dir or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--device", type=device_arg, default="auto",
                         help="auto, cpu, cuda, cuda:N (default auto)")

@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..engine import Engine, EngineConfig
-from ..engine.config import REUSE_MODES
+from ..reuse import names as reuse_modes
 from .agent_table import print_agent_stats
 from .engine_pipeline import device_arg
 
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvcmas demo`` and ``examples/langgraph_pipeline.py``."""
     parser.add_argument("--rounds", type=int, default=2, help="pipeline rounds (default 2)")
     parser.add_argument("--max-tokens", type=int, default=48, help="max new tokens per turn (default 48)")
-    parser.add_argument("--reuse", choices=REUSE_MODES, default="kvcmas", help="KV reuse mode (default kvcmas)")
+    parser.add_argument("--reuse", choices=reuse_modes(), default="kvcmas", help="KV reuse mode (default kvcmas)")
     parser.add_argument("--model", default=None, help="local checkpoint dir or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, cuda, cuda:N (default auto)")
     parser.add_argument("--task", default=TASK, help="the coding task to work on")

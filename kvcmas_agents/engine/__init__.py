@@ -1,12 +1,12 @@
-"""The embedded engine: model runner, paged KV store, prefix cache, scheduler and chat layer."""
-from .config import EngineConfig, ReuseOptions, SamplingParams
+"""The embedded engine: public API, worker loop, scheduler, requests and outputs."""
+from ..chat.tools import InvalidToolCall, ToolCall
+from ..errors import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError, ModelNotFoundError
+from .config import EngineConfig, KVCMASConfig, ReuseOptions, SamplingParams, StorageSpec
 from .engine import Engine
-from .errors import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError, ModelNotFoundError
 from .outputs import RequestOutput, StreamDelta, Usage
-from .tools import InvalidToolCall, ToolCall
 
 __all__ = [
-    "Engine", "EngineConfig", "ReuseOptions", "SamplingParams", "RequestOutput", "StreamDelta", "Usage", "ToolCall",
-    "InvalidToolCall", "InvalidRequestError", "ContextLengthError", "EngineError", "EngineClosedError",
-    "ModelNotFoundError",
+    "Engine", "EngineConfig", "KVCMASConfig", "StorageSpec", "ReuseOptions", "SamplingParams", "RequestOutput",
+    "StreamDelta", "Usage", "ToolCall", "InvalidToolCall", "InvalidRequestError", "ContextLengthError",
+    "EngineError", "EngineClosedError", "ModelNotFoundError",
 ]

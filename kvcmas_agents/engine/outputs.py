@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tools import InvalidToolCall, ToolCall
+from ..chat.tools import InvalidToolCall, ToolCall
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Per-request state that the scheduler and runner share inside the worker."""
+"""Per-request state that the scheduler, the runner and the reuse methods share inside the worker."""
 from __future__ import annotations
 
 import time
@@ -7,34 +7,17 @@ from typing import Any, Callable
 
 import torch
 
-from .chat import RenderedPrompt
-from .config import ReuseOptions, SamplingParams
-from .detokenize import IncrementalDetokenizer
-from .lowrank import LowRankDelta
-from .segments import HomeView
-
-
-@dataclass
-class ReusePiece:
-    """A prompt span [start, end) served by a home view instead of this request's own prefill."""
-
-    home: HomeView | None                                     # None: new text, computed by this request
-    start: int
-    end: int
-    context: int
-    chain: list[LowRankDelta] = field(default_factory=list)   # corrections applied on the realigned home
-    exact: bool = False                                       # the request's own exact view: no correction
-    pending: bool = False                                     # a correction must be computed first
-    private: bool = False                                     # served from a copy in the request's own blocks
-    frame: bool = False           # role header/trailer around a reused reply: recomputed whole when corrected
-
-    @property
-    def delta(self) -> int:
-        return self.start - self.home.start
+from ..chat.detokenize import IncrementalDetokenizer
+from ..chat.template import RenderedPrompt
+from ..reuse.options import ReuseOptions
+from ..reuse.pieces import ReusePiece
+from .config import SamplingParams
 
 
 @dataclass
 class Request:
+    """One chat request in the worker (it satisfies ``reuse.base.ReuseRequest``)."""
+
     request_id: str
     agent: str
     prompt: RenderedPrompt

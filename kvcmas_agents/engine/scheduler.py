@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
-from .config import CROSS_AGENT_MODES, EngineConfig
-from .kv_store import KVStore
-from .prefix_cache import PrefixCache
+from ..cache.kv_store import KVStore
+from ..cache.prefix_cache import PrefixCache
+from ..reuse.base import ReuseMethod
+from .config import EngineConfig
 from .request import Request
-from .segments import SegmentStore
 
 
 @dataclass
@@ -28,14 +29,13 @@ class StepItem:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, store: KVStore):
+    def __init__(self, config: EngineConfig, store: KVStore, prefix: PrefixCache,
+                 method_of: Callable[[Request], ReuseMethod], reclaim: Callable[[], bool] = lambda: False):
         self.config = config
         self.store = store
-        self.prefix = PrefixCache(store)
-        self.segments = SegmentStore(store)
-        self.segments.is_cached = self.prefix.is_cached
-        self.segments.packer.can_allocate = lambda: self._room > 0     # never a block promised to a request
-        self.corrector = None          # set by the engine for cross-agent modes (CROSS_AGENT_MODES)
+        self.prefix = prefix
+        self.method_of = method_of     # the reuse method serving a request
+        self.reclaim = reclaim         # drops the least recently used home view; False when none can go
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._promised = 0           # reserved-but-unallocated blocks over running requests
@@ -58,9 +58,9 @@ class Scheduler:
             req = self.waiting[0]
             self.plan(req)
             need = self._own_blocks(req, req.max_total_tokens) - len(req.blocks)
-            while need > self._room and self.segments.evict_one():
+            while need > self.room and self.reclaim():
                 pass
-            if need > self._room:
+            if need > self.room:
                 self.release(req)
                 req.num_computed = req.cached_tokens = req.reused_tokens = 0
                 return
@@ -69,12 +69,12 @@ class Scheduler:
             self._promised += need
             self.running.append(req)
 
-    # --- side requests (ahead-of-time corrections, engine/prefetch.py) ----------------------------
+    # --- side requests (work ahead of time, e.g. KVCMAS's prefetch) ------------------------------
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Promise and allocate the blocks a planned request owns for num_tokens; False (nothing taken)
         when they do not fit next to what running requests were promised."""
         need = self._own_blocks(req, num_tokens) - len(req.blocks)
-        if need > self._room:
+        if need > self.room:
             return False
         req.reserved_blocks += need
         self._promised += need
@@ -82,7 +82,7 @@ class Scheduler:
         return True
 
     @property
-    def _room(self) -> int:
+    def room(self) -> int:
         """Blocks free or evictable that no running request was promised."""
         return self.store.num_available - self._promised
 
@@ -92,20 +92,10 @@ class Scheduler:
         return sum(1 for i in range(self.blocks_for(num_tokens)) if not req.is_hole(i * bs, (i + 1) * bs))
 
     def plan(self, req: Request) -> None:
-        """The reuse seam: give the request KV it need not compute, before its prefill (pins the home
-        views it reuses). Admission calls it; side requests call it without being admitted."""
-        if not req.prompt.prefix_stable:
-            return
-        if req.options.reuse in CROSS_AGENT_MODES and self.corrector is not None:
-            self.corrector.plan(req)
-            return
-        if req.options.reuse != "prefix":
-            return
-        # Leave at least one prompt token to run, so the step produces logits.
-        blocks, parent = self.prefix.match(req.agent, req.prompt_ids, len(req.prompt_ids) - 1)
-        req.blocks = blocks
-        req.num_computed = req.cached_tokens = len(blocks) * self.store.block_size
-        req.indexed_blocks, req.index_parent = len(blocks), parent
+        """Give the request KV it need not compute, before its prefill: its reuse method's plan. A
+        prompt whose template is not prefix-stable is prefilled whole."""
+        if req.prompt.prefix_stable:
+            self.method_of(req).plan(req)
 
     def finish(self, req: Request) -> None:
         """Release a request's KV (running or waiting); cached blocks stay indexed."""
@@ -121,8 +111,7 @@ class Scheduler:
             if b >= 0:
                 self.store.decref(b, cached=self.prefix.is_cached(b))
         req.blocks = []
-        if self.corrector is not None:
-            self.corrector.release(req)
+        self.method_of(req).release(req)
         self._promised -= req.reserved_blocks
         req.reserved_blocks = 0
 
@@ -158,13 +147,6 @@ class Scheduler:
             self._promised -= 1
 
     def committed(self, item: StepItem) -> None:
-        """Record that the step's tokens now have KV; index newly full blocks."""
-        req = item.request
-        req.num_computed += item.num_tokens
-        if req.options.reuse != "prefix" or not req.prompt.prefix_stable:
-            return
-        full = req.num_computed // self.store.block_size
-        if full > req.indexed_blocks:
-            req.index_parent = self.prefix.insert(req.agent, req.all_ids, req.blocks,
-                                                  req.indexed_blocks, full, req.index_parent)
-            req.indexed_blocks = full
+        """Record that the step's tokens now have KV, and tell the request's reuse method."""
+        item.request.num_computed += item.num_tokens
+        self.method_of(item.request).on_computed(item.request)

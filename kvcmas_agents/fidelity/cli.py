@@ -4,8 +4,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from ..engine import ReuseOptions
-from ..engine.config import CORRECTION_DTYPES, HEAD_BITS, REFERENCES, REUSE_MODES, ROW_BITS, VALUE_BITS
+from ..engine import KVCMASConfig, ReuseOptions, StorageSpec
+from ..reuse import names as reuse_modes
+from ..reuse.options import REFERENCES
+from ..reuse.storage.lowrank import HEAD_BITS
+from ..reuse.storage.quant_rows import BITS as ROW_BITS
+from ..reuse.storage.spec import FACTOR_DTYPES, SIDE_BITS
 from .harness import SweepGrid, run_fidelity
 from .report import history_table, summary_table, sweep_table, write_report
 from .scenarios import DEFAULT_SCENARIOS, SCENARIOS, get_scenario
@@ -21,7 +25,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     from ..demos.engine_pipeline import device_arg
     parser.add_argument("--quick", action="store_true", help="one round per scenario, short replies, small sweep")
     parser.add_argument("--scenarios", nargs="+", default=list(DEFAULT_SCENARIOS), choices=sorted(SCENARIOS))
-    parser.add_argument("--modes", nargs="+", default=["naive", "kvcmas", "prefix"], choices=REUSE_MODES,
+    parser.add_argument("--modes", nargs="+", default=["naive", "kvcmas", "prefix"], choices=reuse_modes(),
                         help="reuse modes compared with the exact run (prefix is an exact sanity row)")
     parser.add_argument("--reply-tokens", type=int, default=None, help="greedy reply length (96; quick 32)")
     parser.add_argument("--eval-tokens", type=int, default=None,
@@ -29,25 +33,25 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute-ratio", type=float, default=None, help="kvcmas knob (engine default)")
     parser.add_argument("--rank", type=int, default=None, help="kvcmas knob (engine default)")
     parser.add_argument("--reference", choices=REFERENCES, default=None, help="kvcmas knob (engine default)")
-    parser.add_argument("--value-bits", type=int, choices=VALUE_BITS, default=0,
-                        help="EngineConfig.value_bits: 0 factors the values (default), 4/6/8 keeps them as quantized rows")
-    parser.add_argument("--key-bits", type=int, choices=VALUE_BITS, default=0,
-                        help="EngineConfig.key_bits: 0 factors the keys (default), 4/6/8 keeps them as quantized rows")
+    parser.add_argument("--value-bits", type=int, choices=SIDE_BITS, default=None,
+                        help="StorageSpec.value_bits: 0 factors the values (default), 4/6/8 keeps them as rows")
+    parser.add_argument("--key-bits", type=int, choices=SIDE_BITS, default=None,
+                        help="StorageSpec.key_bits: 0 factors the keys (default), 4/6/8 keeps them as quantized rows")
     parser.add_argument("--no-small-rows", action="store_true",
-                        help="EngineConfig.small_rows=False: factor small corrections too (the storage before it)")
+                        help="StorageSpec.small_rows=False: factor small corrections too")
     parser.add_argument("--small-row-bits", type=int, choices=ROW_BITS, default=None,
-                        help="EngineConfig.small_row_bits: code bits of small corrections' rows (engine default)")
+                        help="StorageSpec.small_row_bits: code bits of small corrections' rows (engine default)")
     parser.add_argument("--u-head-bits", type=int, choices=HEAD_BITS, default=None,
-                        help="EngineConfig.u_head_bits: code bits of U's leading components (engine default)")
+                        help="StorageSpec.u_head_bits: code bits of U's leading components (engine default)")
     parser.add_argument("--uncorrected-energy", type=float, default=None,
-                        help="EngineConfig.uncorrected_energy: leading layers' share of the deviation left "
+                        help="StorageSpec.uncorrected_energy: leading layers' share of the deviation left "
                              "uncorrected (engine default)")
-    parser.add_argument("--correction-dtype", choices=CORRECTION_DTYPES, default=None,
-                        help="EngineConfig.correction_dtype of the factors (engine default)")
+    parser.add_argument("--correction-dtype", choices=FACTOR_DTYPES, default=None,
+                        help="StorageSpec.dtype of the factors (engine default)")
     parser.add_argument("--u8-components", type=_u8, default=None,
-                        help="EngineConfig.u8_components: U's components kept at 8 bits, or 'all' (engine default)")
+                        help="StorageSpec.u8_components: U's components at their head bits, or 'all' (engine default)")
     parser.add_argument("--prefetch-ratio", type=float, default=None,
-                        help="EngineConfig.prefetch_ratio of ahead-of-time corrections (engine default)")
+                        help="KVCMASConfig.prefetch_ratio of ahead-of-time corrections (engine default)")
     parser.add_argument("--no-declare", action="store_true",
                         help="do not declare the agents' system prompts to the engines before each replay")
     parser.add_argument("--sweep-scenario", default=None, help="scenario of the sweep (default: the first)")
@@ -66,18 +70,22 @@ def _u8(text: str) -> int | str:
     return text if text == "all" else int(text)
 
 
-def storage_of(args: argparse.Namespace) -> dict:
-    """The storage knobs given on the command line, as EngineConfig fields."""
-    out = {} if args.correction_dtype is None else {"correction_dtype": args.correction_dtype}
+def storage_of(args: argparse.Namespace) -> StorageSpec:
+    """The storage knobs given on the command line; the rest at StorageSpec's defaults."""
+    given = {"dtype": args.correction_dtype, "small_row_bits": args.small_row_bits, "u_head_bits": args.u_head_bits,
+             "uncorrected_energy": args.uncorrected_energy, "value_bits": args.value_bits, "key_bits": args.key_bits}
+    out = {k: v for k, v in given.items() if v is not None}
+    if args.no_small_rows:
+        out["small_rows"] = False
     if args.u8_components is not None:
         out["u8_components"] = None if args.u8_components == "all" else args.u8_components
-    if args.small_row_bits is not None:
-        out["small_row_bits"] = args.small_row_bits
-    if args.u_head_bits is not None:
-        out["u_head_bits"] = args.u_head_bits
-    if args.uncorrected_energy is not None:
-        out["uncorrected_energy"] = args.uncorrected_energy
-    return out
+    return StorageSpec(**out)
+
+
+def settings_of(args: argparse.Namespace) -> KVCMASConfig:
+    """The KVCMAS settings of the replays' engines (the knobs of --recompute-ratio etc. apply per run)."""
+    extra = {} if args.prefetch_ratio is None else {"prefetch_ratio": args.prefetch_ratio}
+    return KVCMASConfig(storage=storage_of(args), **extra)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
         knobs=ReuseOptions(recompute_ratio=args.recompute_ratio, rank=args.rank, reference=args.reference),
         reply_tokens=args.reply_tokens or preset["reply_tokens"], eval_tokens=args.eval_tokens or preset["eval_tokens"],
         sweep=sweep, model=args.model, device=args.device, full_decode=args.decode == "full",
-        value_bits=args.value_bits, key_bits=args.key_bits, small_rows=not args.no_small_rows,
-        prefetch_ratio=args.prefetch_ratio, storage=storage_of(args), declare=not args.no_declare))
+        settings=settings_of(args), declare=not args.no_declare))
     result["config"]["quick"] = args.quick
     paths = write_report(result, args.out)
     print(summary_table(result), "", history_table(result), sep="\n")

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Sequence
 
-from ..engine import Engine, EngineConfig, ReuseOptions
+from ..engine import Engine, EngineConfig, KVCMASConfig, ReuseOptions
 from .caller_thread import single_threaded_caller
 from .conversation import ExactTurn, run_exact_and_close
+from .engine_figures import engine_figures
 from .replay import ReplayTurn, replay
 from .scenarios import Scenario, declare_systems
 from .summary import check_targets, pooled, summarize
@@ -44,9 +45,9 @@ class _Runner:
     """Builds fresh engines (one per mode and knob setting) and times each replay."""
 
     def __init__(self, model: str | None, device: str, knobs: ReuseOptions, log: Log, full_decode: bool = True,
-                 engine_knobs: dict[str, Any] | None = None, threads: int | None = None, declare: bool = True):
+                 settings: KVCMASConfig | None = None, threads: int | None = None, declare: bool = True):
         self.model, self.device, self.knobs, self.log = model, device, knobs, log
-        self.full_decode, self.engine_knobs, self.threads = full_decode, engine_knobs or {}, threads
+        self.full_decode, self.settings, self.threads = full_decode, settings or KVCMASConfig(), threads
         self.declare = declare
 
     def engine(self, reuse: str, knobs: ReuseOptions | None = None) -> Engine:
@@ -54,7 +55,7 @@ class _Runner:
         set_knobs = {f: v for f, v in (("recompute_ratio", k.recompute_ratio), ("rank", k.rank),
                                        ("reference", k.reference)) if v is not None}
         return Engine(EngineConfig(model=self.model, device=self.device, reuse=reuse, num_threads=self.threads,
-                                   **self.engine_knobs, **set_knobs))
+                                   kvcmas=replace(self.settings, **set_knobs)))
 
     async def replay(self, scenario: Scenario, exact: list[ExactTurn], reuse: str, eval_tokens: int,
                      knobs: ReuseOptions | None = None) -> tuple[list[ReplayTurn], dict[str, Any], float]:
@@ -66,7 +67,8 @@ class _Runner:
             t0 = time.perf_counter()
             turns = await replay(engine, exact, eval_tokens, self.full_decode)
             wall = time.perf_counter() - t0
-            stats = {k: engine.stats()[k] for k in STAT_KEYS}
+            figures = engine_figures(engine.stats())
+            stats = {k: figures[k] for k in STAT_KEYS}
         finally:
             await engine.aclose()
         return turns, stats, wall
@@ -76,27 +78,20 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
                        knobs: ReuseOptions | None = None, reply_tokens: int = 64, eval_tokens: int = 64,
                        sweep: SweepGrid | None = None, sanity_eval_tokens: int = 8, model: str | None = None,
                        device: str = "cpu", log: Log = _stderr, full_decode: bool = True,
-                       value_bits: int = 0, key_bits: int = 0, prefetch_ratio: float | None = None,
-                       small_rows: bool = True, storage: dict[str, Any] | None = None,
-                       declare: bool = True) -> dict[str, Any]:
+                       settings: KVCMASConfig | None = None, declare: bool = True) -> dict[str, Any]:
     """Measure each reuse mode against the exact run of the same prompts; return a JSON-able dict.
 
     Per scenario: an exact ``reuse="none"`` pass with greedy replies of ``reply_tokens``; then, per mode,
     a fresh engine replays every turn in order, teacher-forced on the first ``eval_tokens`` exact tokens
     (``sanity_eval_tokens`` for the exact-by-construction modes none/prefix); with ``full_decode`` each
     replayed turn decodes its whole exact reply, as an agent does. ``sweep`` replays one of the
-    scenarios over a recompute_ratio x rank grid of kvcmas settings. ``value_bits``, ``key_bits``,
-    ``small_rows`` and ``prefetch_ratio`` (None: the default) are the engines' EngineConfig fields of
-    those names; ``storage`` sets more of them (say ``correction_dtype``, ``u8_components``).
+    scenarios over a recompute_ratio x rank grid of kvcmas settings. ``settings`` are the engines'
+    KVCMAS settings (default: KVCMASConfig()), which ``knobs`` and the sweep override.
     ``declare`` declares the agents' system prompts to each replay's engine first, as the adapters do.
     """
-    engine_knobs: dict[str, Any] = {"value_bits": value_bits, "key_bits": key_bits, "small_rows": small_rows,
-                                    **(storage or {})}
-    if prefetch_ratio is not None:
-        engine_knobs["prefetch_ratio"] = prefetch_ratio
     # Scoring runs on this thread; one-threaded, it starts no second OpenMP team beside the engine's.
     with single_threaded_caller() as threads:
-        runner = _Runner(model, device, knobs or ReuseOptions(), log, full_decode, engine_knobs, threads, declare)
+        runner = _Runner(model, device, knobs or ReuseOptions(), log, full_decode, settings, threads, declare)
         return await _run(runner, scenarios, modes, reply_tokens, eval_tokens, sweep, sanity_eval_tokens)
 
 
@@ -107,7 +102,7 @@ async def _run(runner: _Runner, scenarios: Sequence[Scenario], modes: Sequence[s
     result: dict[str, Any] = {"config": {
         "model": runner.model, "device": runner.device, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
         "sanity_eval_tokens": sanity_eval_tokens, "modes": list(modes), "knobs": asdict(runner.knobs),
-        "full_decode": runner.full_decode, "declare": runner.declare, **runner.engine_knobs,
+        "full_decode": runner.full_decode, "declare": runner.declare, "settings": asdict(runner.settings),
         "sweep": asdict(sweep) if sweep else None, "kl_units": "nats", "torch_threads": runner.threads},
         "scenarios": {}}
     for scenario in scenarios:

@@ -64,7 +64,8 @@ def forced_tokens(t: ExactTurn, eval_tokens: int, full_decode: bool) -> list[int
     return list(t.reply_ids)
 
 
-async def replay(engine: Engine, turns: list[ExactTurn], eval_tokens: int, full_decode: bool = False) -> list[ReplayTurn]:
+async def replay(engine: Engine, turns: list[ExactTurn], eval_tokens: int,
+                 full_decode: bool = False) -> list[ReplayTurn]:
     """Run every turn's exact prompt in order on ``engine``, forcing the exact continuation.
 
     Fidelity is scored on the first ``eval_tokens``. With ``full_decode`` each turn decodes its whole

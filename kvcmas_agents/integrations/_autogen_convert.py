@@ -13,8 +13,8 @@ from autogen_core.models import (
 from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel, ValidationError
 
+from ..chat.tools import TOOL_CALL_OPEN
 from ..engine.outputs import RequestOutput
-from ..engine.tools import TOOL_CALL_OPEN
 
 _FENCE_RE = re.compile(r"```(?:json)?\s*\n?(.*?)\n?\s*```", re.DOTALL)
 

@@ -1,12 +1,10 @@
-"""Agent identity and edge order for AutoGen teams."""
+"""Agent identity and edge order for AutoGen teams, read from AutoGen's own objects."""
 from __future__ import annotations
 
 from typing import Any
 
 from autogen_core import MessageHandlerContext
 
-from ..engine import Engine
-from ._autogen_convert import to_engine_messages, to_engine_tools
 
 
 def current_agent_name() -> str | None:
@@ -45,33 +43,3 @@ def team_edges(team: Any) -> list[tuple[str, str]]:
     if len(names) < 2:
         return []
     return [(names[i], names[(i + 1) % len(names)]) for i in range(len(names))]
-
-
-def team_engine(team: Any) -> Engine | None:
-    """The engine behind the first participant that uses a KVCMASClient, if any."""
-    from .autogen import KVCMASClient    # local: autogen.py imports this module
-
-    for participant in getattr(team, "_participants", []):
-        client = getattr(participant, "_model_client", None)
-        if isinstance(client, KVCMASClient):
-            return client.engine
-    return None
-
-
-def team_declarations(team: Any, engine: Engine) -> list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]:
-    """(name, system messages, tools) of the participants that call ``engine`` with a system message.
-
-    The tools are those an ``AssistantAgent`` shows the model on every call (its own tools, then its
-    hand-off tools), as engine tool dicts.
-    """
-    from .autogen import KVCMASClient    # local: autogen.py imports this module
-
-    out = []
-    for participant in getattr(team, "_participants", []):
-        client = getattr(participant, "_model_client", None)
-        systems = getattr(participant, "_system_messages", None)
-        if not isinstance(client, KVCMASClient) or client.engine is not engine or not systems:
-            continue
-        tools = list(getattr(participant, "_tools", [])) + list(getattr(participant, "_handoff_tools", []))
-        out.append((participant.name, to_engine_messages(systems), to_engine_tools(tools)))
-    return out

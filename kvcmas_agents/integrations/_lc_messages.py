@@ -17,8 +17,8 @@ from langchain_core.messages import (
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 
+from ..chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from ..engine import RequestOutput
-from ..engine.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 PROVIDER = "kvcmas"
 

@@ -31,7 +31,7 @@ from ._autogen_convert import (
     ToolCallFilter, json_instruction, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
     with_instruction,
 )
-from ._autogen_team import current_agent_name, team_declarations, team_edges, team_engine
+from ._autogen_team import current_agent_name, team_edges
 
 __all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]
 
@@ -264,6 +264,32 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
     @classmethod
     def _from_config(cls, config: KVCMASClientConfig) -> Self:
         return cls(**config.model_dump())
+
+
+def team_engine(team: Any) -> Engine | None:
+    """The engine behind the first participant that uses a KVCMASClient, if any."""
+    for participant in getattr(team, "_participants", []):
+        client = getattr(participant, "_model_client", None)
+        if isinstance(client, KVCMASClient):
+            return client.engine
+    return None
+
+
+def team_declarations(team: Any, engine: Engine) -> list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]]:
+    """(name, system messages, tools) of the participants that call ``engine`` with a system message.
+
+    The tools are those an ``AssistantAgent`` shows the model on every call (its own tools, then its
+    hand-off tools), as engine tool dicts.
+    """
+    out = []
+    for participant in getattr(team, "_participants", []):
+        client = getattr(participant, "_model_client", None)
+        systems = getattr(participant, "_system_messages", None)
+        if not isinstance(client, KVCMASClient) or client.engine is not engine or not systems:
+            continue
+        tools = list(getattr(participant, "_tools", [])) + list(getattr(participant, "_handoff_tools", []))
+        out.append((participant.name, to_engine_messages(systems), to_engine_tools(tools)))
+    return out
 
 
 def register_team(team: Any, model_or_engine: str | Engine | None = None) -> list[tuple[str, str]]:

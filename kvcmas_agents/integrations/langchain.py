@@ -15,7 +15,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field, model_validator
 
 from ..engine import Engine, ReuseOptions, SamplingParams
-from ..engine.config import DEFAULT_MODEL
+from ..model.loader import DEFAULT_MODEL
 from ..registry import ADAPTER_REUSE, get_engine
 from . import _lc_messages as conv
 from . import _lc_structured as structured

@@ -1,6 +1,6 @@
 """Triton flash attention over a corrected KV view, read in place from the paged store.
 
-Same math as ``kvcmas_agents.engine.view_attention`` (the oracle), fused into one online-softmax
+Same math as ``kvcmas_agents.reuse.views.reference`` (the oracle), fused into one online-softmax
 pass over key tiles:
 
 * Keys and values are read through a slot index (``key_slots``), so a view is any list of store rows;

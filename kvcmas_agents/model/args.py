@@ -77,3 +77,34 @@ class ModelArgs:
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token across all layers, for 4-byte elements (scale by dtype size / 4)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every weight tensor a checkpoint of this shape holds, with its shape (HF parameter names)."""
+    h, hd, inter = args.hidden_size, args.head_dim, args.intermediate_size
+    q, kv = args.num_heads * hd, args.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (args.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (args.vocab_size, h),
+    }
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        })
+        if args.attention_bias:
+            shapes.update({
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            })
+    return shapes

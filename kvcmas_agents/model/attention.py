@@ -1,27 +1,10 @@
-"""Torch reference attention over the paged KV store (SDPA, causal, GQA)."""
+"""Plain attention primitives: causal SDPA over gathered KV, grouped matmuls for few queries, and
+attention of scattered rows over a context (GQA throughout)."""
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .kv_store import KVStore
-from .realign import Realigner
-from .view_attention import view_attention
-
-
-@dataclass
-class SeqSlice:
-    """One sequence's part of a flat step: its new tokens are q[q_start:q_end]."""
-
-    q_start: int
-    q_end: int
-    context_len: int          # tokens in the KV after this step's tokens are written
-    gather: torch.Tensor | None       # slot indices of all context_len tokens, in order
-    pieces: list | None = None        # view-attention pieces instead of gather (cross-agent reuse)
-    q_positions: torch.Tensor | None = None
-    view: object | None = None        # a GatheredView (torch) or ViewDescriptor (Triton) of the pieces
 
 
 # On CPU, SDPA with enable_gqa is 1.3-2.5x slower than plain grouped matmuls for decode-sized queries
@@ -56,8 +39,8 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
 
 
 # Rows recomputed inside a reused range attend in chunks of queries, each chunk's keys cut at its last
-# row, so the causal upper half is never scored (a full [rows, ctx] mask scores it and masks it out).
-# Measured on 2 CPU threads, SmolLM2 heads, half of an 8,000-token view's rows: 1.74 s -> 0.84 s a layer.
+# row, so the causal upper half is never scored (a full [rows, ctx] mask scores it and masks it out:
+# about twice the work over a long view).
 ROW_CHUNK = 256
 
 
@@ -96,33 +79,3 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
-
-
-class PagedAttention:
-    """AttentionBackend for one engine step: writes new K/V into their slots, then attends per sequence."""
-
-    def __init__(self, store: KVStore, slices: list[SeqSlice], write_slots: torch.Tensor, scale: float,
-                 realigner: Realigner | None = None):
-        self.store, self.slices, self.write_slots, self.scale = store, slices, write_slots, scale
-        self.realigner = realigner
-
-    def _one(self, layer: int, s: SeqSlice, q: torch.Tensor) -> torch.Tensor:
-        kc, vc = self.store.k[layer], self.store.v[layer]
-        if s.view is not None:
-            from .view_gather import GatheredView, gathered_attention
-            if isinstance(s.view, GatheredView):
-                return gathered_attention(q, s.view, kc, vc, layer, self.scale)
-            from .view_pack import packed_attention        # a kernel descriptor (view_path="triton")
-            return packed_attention(q, s.q_positions, s.view, kc, vc, layer, self.scale)
-        if s.pieces is not None:
-            return view_attention(q, s.q_positions, s.pieces, kc, vc, layer, self.scale, self.realigner)
-        return sdpa(q, kc.index_select(0, s.gather), vc.index_select(0, s.gather), self.scale)
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.store.write(layer, self.write_slots, k, v)
-        if len(self.slices) == 1:
-            return self._one(layer, self.slices[0], q)
-        out = torch.empty_like(q)
-        for s in self.slices:
-            out[s.q_start:s.q_end] = self._one(layer, s, q[s.q_start:s.q_end])
-        return out

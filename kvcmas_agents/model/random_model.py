@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_args import ModelArgs
+from .args import ModelArgs, expected_shapes
 
 PREFIX = "random:"
 
@@ -55,10 +55,9 @@ def random_args(model: str, vocab_size: int, eos_token_ids: list[int]) -> ModelA
 
 def random_weights(args: ModelArgs, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     """Every tensor the model expects, normal(0, 0.02) (norm weights 1), seeded, made on ``device``."""
-    from .loader import _expected_shapes       # one definition of the expected tensors
     gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
-    for name, shape in _expected_shapes(args).items():
+    for name, shape in expected_shapes(args).items():
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(shape, device=device, dtype=dtype)
         else:

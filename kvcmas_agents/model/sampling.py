@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 import os
+from typing import Protocol, Sequence
 
 import torch
 
-from .config import SamplingParams
+
+class SamplingSettings(Protocol):
+    """What the sampler reads of a request's sampling settings (engine.config.SamplingParams)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
 
 # Dividing by a near-zero temperature can overflow fp32 logits to inf (then NaN in softmax).
 _MIN_TEMPERATURE = 1e-6
@@ -24,11 +31,12 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return gen
 
 
-def _needs_filter(p: SamplingParams, vocab: int) -> bool:
+def _needs_filter(p: SamplingSettings, vocab: int) -> bool:
     return (0 < p.top_k < vocab) or p.top_p < 1.0
 
 
-def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _filtered_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                             torch.Tensor]:
     """Apply top-k then top-p to temperature-scaled logits [N, V].
 
     Returns (probs over the descending-sorted vocab, the sort indices). top_k <= 0 or top_p >= 1
@@ -60,7 +68,7 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
 
 
 class Sampler:
-    """Turns a batch of last-token logits into next token ids, one SamplingParams per row.
+    """Turns a batch of last-token logits into next token ids, one set of sampling settings per row.
 
     Rows with temperature 0 take ``argmax`` of the fp32 logits. Other rows divide by the
     temperature, apply top-k, then top-p, and draw with ``torch.multinomial`` using the row's own
@@ -71,7 +79,7 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
-        params: list[SamplingParams],
+        params: Sequence[SamplingSettings],
         generators: list[torch.Generator | None],
     ) -> torch.Tensor:
         """Return next token ids as a [B] int64 CPU tensor for ``logits`` of shape [B, V]."""

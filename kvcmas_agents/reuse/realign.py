@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .rope import rotate as apply_rope
+from ..model.rope import rotate as apply_rope
 
 if TYPE_CHECKING:
-    from .lowrank import Basis, LowRankDelta
+    from .storage.lowrank import Basis, LowRankDelta
 
 # Scalings whose frequencies do not depend on the sequence length, so a rotation by delta is exact.
 REALIGNABLE_SCALINGS = ("default", "linear", "llama3", "yarn")

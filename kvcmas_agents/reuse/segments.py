@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from .home_pack import HomePacker
-from .kv_store import KVStore
-from .lowrank import LowRankDelta, unique_nbytes
+from ..cache.home_pack import HomePacker
+from ..cache.kv_store import KVStore
+from .storage.lowrank import LowRankDelta, unique_nbytes
 
 
 DECODE_KEY = 4          # tokens indexing decoded replies for the search inside segments
@@ -76,7 +76,7 @@ class SegmentStore:
         self._decoded: dict[tuple[int, ...], list[HomeView]] = {}    # first DECODE_KEY tokens -> homes
         self.evicted = 0
         self.is_cached: Callable[[int], bool] = lambda block: False   # prefix-cache membership
-        self.packer = HomePacker(store)          # partial blocks' tokens are packed (engine/home_pack.py)
+        self.packer = HomePacker(store)          # partial blocks' tokens are packed (cache/home_pack.py)
 
     def lookup(self, tokens: tuple[int, ...], before: float = float("inf")) -> HomeView | None:
         """The home view of these tokens, if one was registered before ``before`` (a request's arrival)."""

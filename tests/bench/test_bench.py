@@ -105,8 +105,8 @@ def test_the_long_trace_fits_the_default_models_window_with_room_for_its_replies
     tokens and its frame), and is long enough that it passes 8,000 shared tokens by the last turn (the
     exact pass measures and reports that)."""
     from kvcmas_agents.bench.traces import get_traces
-    from kvcmas_agents.engine.chat import ChatFormatter
-    from kvcmas_agents.engine.loader import load_model
+    from kvcmas_agents.chat.template import ChatFormatter
+    from kvcmas_agents.model.loader import load_model
     from kvcmas_agents.fidelity.scenarios import MODERATOR, prompt_messages
 
     loaded = load_model(None, "cpu", None, None)
@@ -137,6 +137,6 @@ def test_dtype_option_sets_the_engines_model_and_kv_dtype():
     engine = _Bench(BenchConfig([], device="cpu", dtype="bfloat16"), print).engine(METHODS["kvcmas"])
     try:
         assert engine.model.dtype == torch.bfloat16
-        assert engine.stats()["dtype"] == "bfloat16" and engine.store.k.dtype == torch.bfloat16
+        assert engine.stats()["engine"]["dtype"] == "bfloat16" and engine.store.k.dtype == torch.bfloat16
     finally:
         asyncio.run(engine.aclose())

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from benchmarks.long_tail import run
-from kvcmas_agents.engine.correction import SELECT_MAX
+from kvcmas_agents.reuse.kvcmas.select import SELECT_MAX
 
 
 def test_a_long_tail_is_reported_for_every_mode_with_kvcmas_selection_cut():

@@ -34,7 +34,8 @@ def test_allocation_by_energy_spends_components_where_the_energy_is():
 
 def test_analyse_splits_small_from_factored_deviations():
     torch.manual_seed(2)
-    big = {"agent": "a", "request": "1", "rows": 300, "dk": torch.randn(3, 2, 300, 64), "dv": torch.randn(3, 2, 300, 64)}
+    big = {"agent": "a", "request": "1", "rows": 300, "dk": torch.randn(3, 2, 300, 64), "dv": torch.randn(3, 2, 300,
+                                                                                                          64)}
     small = {"agent": "a", "request": "2", "rows": 50, "dk": torch.randn(3, 2, 50, 64), "dv": torch.randn(3, 2, 50, 64)}
     out = analyse([big, small], rank=40, first=1)
     assert (out["small_requests"], out["small_rows"], out["factored_requests"]) == (1, 50, 1)

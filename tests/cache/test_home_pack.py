@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcmas_agents.engine.kv_store import KVStore
-from kvcmas_agents.engine.segments import SegmentStore
+from kvcmas_agents.cache.kv_store import KVStore
+from kvcmas_agents.reuse.segments import SegmentStore
 
 BS = 4
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.kv_store import KVStore, OutOfBlocksError
+from kvcmas_agents.cache.kv_store import KVStore, OutOfBlocksError
 
 LAYERS, KVH, HD, BS = 2, 2, 4, 4
 BLOCK_BYTES = 2 * LAYERS * BS * KVH * HD * 4          # fp32

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kvcmas_agents.engine.kv_store import KVStore
-from kvcmas_agents.engine.prefix_cache import PrefixCache
+from kvcmas_agents.cache.kv_store import KVStore
+from kvcmas_agents.cache.prefix_cache import PrefixCache
 
 BS = 4
 

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvcmas_agents.engine.detokenize import IncrementalDetokenizer
+from kvcmas_agents.chat.detokenize import IncrementalDetokenizer
 
 MULTIBYTE = "Hi 😀 日本語 naïve ок 🎉🎉 — done. 你好，世界！ 🇫🇷 ok"
 

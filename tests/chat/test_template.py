@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kvcmas_agents.engine.chat import ChatFormatter, RenderedPrompt
-from kvcmas_agents.engine.errors import ContextLengthError, InvalidRequestError
+from kvcmas_agents.chat.template import ChatFormatter, RenderedPrompt
+from kvcmas_agents.errors import ContextLengthError, InvalidRequestError
 
 SMOLTOK_DIR = "/tmp/smoltok"
 SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

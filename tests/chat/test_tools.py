@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from kvcmas_agents.engine.errors import InvalidRequestError
-from kvcmas_agents.engine.tools import (
+from kvcmas_agents.errors import InvalidRequestError
+from kvcmas_agents.chat.tools import (
     InvalidToolCall,
     ToolCall,
     format_tool_call,

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvcmas_agents import EngineClosedError, EngineError, InvalidRequestError, SamplingParams
-from kvcmas_agents.engine.errors import ContextLengthError
+from kvcmas_agents.errors import ContextLengthError
+from kvcmas_agents import KVCMASConfig
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -25,7 +26,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def hf_model(engine_none):
-    from kvcmas_agents.engine.loader import ensure_safetensors
+    from kvcmas_agents.model.loader import ensure_safetensors
     _, path = ensure_safetensors(None)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -68,14 +69,15 @@ async def test_prefix_reuse_second_turn_matches_exact(engine_none, engine_prefix
 
 async def test_concurrent_requests_equal_sequential(engine_prefix):
     reqs = [([{"role": "system", "content": f"You are agent number {i}."},
-              {"role": "user", "content": f"Give one tip about topic {i}: {'testing caching naming loops errors types docs speed'.split()[i]}."}],
+              {"role": "user",
+               "content": f"Give one tip about topic {i}: {'testing caching naming loops errors types docs speed'.split()[i]}."}],
              f"agent{i}") for i in range(8)]
     sampling = SamplingParams(max_tokens=20, temperature=0.0)
-    steps_before = engine_prefix.stats()["steps"]
+    steps_before = engine_prefix.stats()["counters"]["steps"]
     concurrent = await asyncio.gather(*[engine_prefix.generate(m, agent=a, sampling=sampling) for m, a in reqs])
     stats = engine_prefix.stats()
-    assert stats["max_batch_seqs"] >= 2          # they really shared steps
-    concurrent_steps = stats["steps"] - steps_before
+    assert stats["counters"]["max_batch_seqs"] >= 2          # they really shared steps
+    concurrent_steps = stats["counters"]["steps"] - steps_before
     sequential = [await engine_prefix.generate(m, agent=a + "-seq", sampling=sampling) for m, a in reqs]
     assert [o.token_ids for o in concurrent] == [o.token_ids for o in sequential]
     assert concurrent_steps < sum(len(o.token_ids) + 1 for o in sequential)
@@ -89,10 +91,10 @@ async def test_concurrent_requests_equal_sequential(engine_prefix):
     ("hello", "list"),
 ])
 async def test_bad_messages_raise_before_work(engine_prefix, messages, match):
-    before = engine_prefix.stats()["requests"]
+    before = engine_prefix.stats()["counters"]["requests"]
     with pytest.raises(InvalidRequestError, match=match):
         await engine_prefix.generate(messages, agent="bad")
-    assert engine_prefix.stats()["requests"] == before
+    assert engine_prefix.stats()["counters"]["requests"] == before
 
 
 async def test_bad_sampling_and_context(engine_prefix):
@@ -129,8 +131,8 @@ async def test_cancel_mid_decode_frees_blocks_and_others_finish(engine_none):
     assert all(o.usage.completion_tokens > 0 for o in outs)
     await _wait_idle(engine_none)
     stats = engine_none.stats()
-    assert stats["aborted"] >= 1
-    assert stats["blocks_in_use"] == 0 and stats["kv_bytes"] == 0   # reuse="none" caches nothing
+    assert stats["counters"]["aborted"] >= 1
+    assert stats["memory"]["blocks_in_use"] == 0 and stats["memory"]["kv_bytes"] == 0   # reuse="none" caches nothing
 
 
 async def test_engine_exception_fails_only_affected_request(engine_none, monkeypatch):
@@ -154,7 +156,7 @@ async def test_engine_exception_fails_only_affected_request(engine_none, monkeyp
     again = await engine_none.generate(msgs, agent="x", sampling=GREEDY)
     assert again.token_ids == results[1].token_ids
     await _wait_idle(engine_none)
-    assert engine_none.stats()["blocks_in_use"] == 0
+    assert engine_none.stats()["memory"]["blocks_in_use"] == 0
 
 
 async def test_kv_returns_to_cached_baseline(engine_prefix):
@@ -162,9 +164,9 @@ async def test_kv_returns_to_cached_baseline(engine_prefix):
     await asyncio.gather(*[engine_prefix.generate(msgs, agent=f"t{i}", sampling=GREEDY) for i in range(3)])
     await _wait_idle(engine_prefix)
     s = engine_prefix.stats()
-    assert s["blocks_in_use"] == 0
-    assert s["kv_bytes"] == s["kv_bytes_cached"] > 0
-    assert s["kv_bytes_peak"] >= s["kv_bytes"]
+    assert s["memory"]["blocks_in_use"] == 0
+    assert s["memory"]["kv_bytes"] == s["memory"]["kv_bytes_cached"] > 0
+    assert s["memory"]["kv_bytes_peak"] >= s["memory"]["kv_bytes"]
 
 
 async def test_stream_concatenates_to_final_text(engine_prefix):
@@ -241,9 +243,9 @@ async def test_a_corrected_request_starts_before_the_next_correction_runs():
     corrected samples its first token before the second's correction starts, instead of waiting for it."""
     from kvcmas_agents import Engine, EngineConfig
     task = {"role": "user", "content": "Write a Python function that merges overlapping intervals, with tests."}
-    eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
+    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
     events: list[tuple[str, str]] = []
-    correct, run = eng.corrector.correct, eng.runner.run
+    correct, run = eng.methods["kvcmas"].corrector.correct, eng.runner.run
 
     def logged_correct(req):
         events.append(("correct", req.agent))
@@ -253,7 +255,7 @@ async def test_a_corrected_request_starts_before_the_next_correction_runs():
         events.extend(("first token", it.request.agent) for it in items if it.samples and not it.request.output_ids)
         return run(items)
 
-    eng.corrector.correct, eng.runner.run = logged_correct, logged_run
+    eng.methods["kvcmas"].corrector.correct, eng.runner.run = logged_correct, logged_run
     try:
         await eng.generate([{"role": "system", "content": "You are the planner."}, task], agent="planner",
                            sampling=SamplingParams(max_tokens=2))
@@ -274,11 +276,11 @@ async def test_the_worker_builds_the_engine_with_its_own_thread_count():
     """The model is built on the worker, which runs its torch ops with EngineConfig.num_threads (here 1),
     whatever the calling thread uses; build errors still reach the caller."""
     from kvcmas_agents import Engine, EngineConfig
-    from kvcmas_agents.engine.errors import ModelNotFoundError
+    from kvcmas_agents.errors import ModelNotFoundError
     caller = torch.get_num_threads()
     engine = Engine(EngineConfig(model=None, device="cpu", reuse="prefix", num_threads=1))
     try:
-        assert engine.stats()["num_threads"] == 1
+        assert engine.stats()["engine"]["num_threads"] == 1
         assert torch.get_num_threads() == caller
         out = await engine.generate(PROMPTS[0], agent="a", sampling=SamplingParams(max_tokens=4))
         assert out.usage.completion_tokens == 4

@@ -10,11 +10,13 @@ import itertools
 import pytest
 import torch
 
-from kvcmas_agents.engine.chat import RenderedPrompt, Segment
+from kvcmas_agents.cache.kv_store import KVStore
+from kvcmas_agents.cache.prefix_cache import PrefixCache
+from kvcmas_agents.chat.template import RenderedPrompt, Segment
 from kvcmas_agents.engine.config import EngineConfig, SamplingParams
-from kvcmas_agents.engine.kv_store import KVStore
 from kvcmas_agents.engine.request import Request
 from kvcmas_agents.engine.scheduler import Scheduler, StepItem
+from kvcmas_agents.reuse import ReuseContext, method_class
 
 BS = 4
 _ids = itertools.count()
@@ -27,7 +29,11 @@ def make_sched(num_blocks: int = 16, reuse: str = "prefix", max_batch_tokens: in
     assert store.num_blocks == num_blocks
     cfg = EngineConfig(reuse=reuse, block_size=BS, max_batch_tokens=max_batch_tokens,
                        max_num_seqs=max_num_seqs, kv_budget_bytes=num_blocks * block_bytes)
-    return Scheduler(cfg, store)
+    prefix = PrefixCache(store)
+    # The exact modes need no model: only the store and the prefix cache.
+    ctx = ReuseContext(None, store, prefix, None, None, "gather", lambda a: [], lambda a: [], None, None, None)
+    methods = {name: method_class(name)(ctx) for name in ("none", "prefix")}
+    return Scheduler(cfg, store, prefix, lambda req: methods[req.options.reuse or cfg.reuse])
 
 
 def make_req(tokens: list[int], max_new: int = 4, agent: str = "a", prefix_stable: bool = True) -> Request:

@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from kvcmas_agents import Engine, EngineConfig, ReuseOptions, registry
 from kvcmas_agents.engine.outputs import RequestOutput, Usage
-from kvcmas_agents.engine.tools import InvalidToolCall, ToolCall
+from kvcmas_agents.chat.tools import InvalidToolCall, ToolCall
 from kvcmas_agents.integrations import KVCMASClient, register_team
 from kvcmas_agents.integrations import autogen as autogen_module
 from kvcmas_agents.integrations._autogen_convert import (
@@ -88,7 +88,8 @@ async def wait_idle(engine, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = engine.stats()
-        if (stats["blocks_in_use"] == 0 and stats["num_running"] == 0) or time.monotonic() > deadline:
+        idle = stats["memory"]["blocks_in_use"] == 0 and stats["counters"]["num_running"] == 0
+        if idle or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
 
@@ -346,16 +347,16 @@ async def test_register_team_declares_system_prompts_with_tools(kvcmas_engine):
                              system_message=f"You are the {n} of the declared team. Be brief.") for n in names]
     team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(4))
     before = kvcmas_engine.stats()
-    ahead = dict(before["prefetch"]["by_agent"])
+    ahead = dict(before["reuse"]["kvcmas"]["prefetch"]["by_agent"])
     register_team(team)
-    assert kvcmas_engine.stats()["declared"] - before["declared"] == 3
+    assert kvcmas_engine.stats()["counters"]["declared"] - before["counters"]["declared"] == 3
     result = await team.run(task="Plan a tiny script that prints the weather.")
     assert [m.source for m in result.messages][:2] == ["user", "planner"]
     after = kvcmas_engine.stats()
     cached = {n: after["agents"][n]["cached_tokens"] - before["agents"].get(n, {}).get("cached_tokens", 0)
               for n in names}
     assert all(c > 0 for c in cached.values()), cached
-    by_agent = after["prefetch"]["by_agent"]
+    by_agent = after["reuse"]["kvcmas"]["prefetch"]["by_agent"]
     assert all(by_agent.get(n, 0) > ahead.get(n, 0) for n in ("coder", "reviewer")), by_agent
 
 
@@ -412,7 +413,7 @@ async def test_cancelled_team_run_leaves_engine_serving(engine):
     client = KVCMASClient(engine=engine, max_tokens=200, temperature=0.8, seed=1)
     agents = [AssistantAgent(n, model_client=client, model_client_stream=True) for n in ("talker", "listener")]
     team = RoundRobinGroupChat(agents, termination_condition=MaxMessageTermination(6))
-    aborted = engine.stats()["aborted"]
+    aborted = engine.stats()["counters"]["aborted"]
     token = CancellationToken()
     with pytest.raises(asyncio.CancelledError):
         async for event in team.run_stream(task="Tell me a long story about a lighthouse.",
@@ -420,8 +421,8 @@ async def test_cancelled_team_run_leaves_engine_serving(engine):
             if isinstance(event, ModelClientStreamingChunkEvent):
                 token.cancel()
     stats = await wait_idle(engine)
-    assert stats["blocks_in_use"] == 0 and stats["num_running"] == 0
-    assert stats["aborted"] == aborted + 1
+    assert stats["memory"]["blocks_in_use"] == 0 and stats["counters"]["num_running"] == 0
+    assert stats["counters"]["aborted"] == aborted + 1
 
     result = await KVCMASClient(engine=engine, max_tokens=4).create(HELLO)
     assert result.usage.completion_tokens > 0
@@ -429,7 +430,7 @@ async def test_cancelled_team_run_leaves_engine_serving(engine):
 
 async def test_cancelled_create_aborts_engine_request(engine):
     client = KVCMASClient(engine=engine, max_tokens=200, temperature=0.8, seed=2)
-    aborted = engine.stats()["aborted"]
+    aborted = engine.stats()["counters"]["aborted"]
     token = CancellationToken()
     task = asyncio.ensure_future(client.create(HELLO, cancellation_token=token))
     await asyncio.sleep(0.3)
@@ -437,4 +438,4 @@ async def test_cancelled_create_aborts_engine_request(engine):
     with pytest.raises(asyncio.CancelledError):
         await task
     stats = await wait_idle(engine)
-    assert stats["blocks_in_use"] == 0 and stats["aborted"] == aborted + 1
+    assert stats["memory"]["blocks_in_use"] == 0 and stats["counters"]["aborted"] == aborted + 1

@@ -178,13 +178,13 @@ async def test_unexpected_call_arguments_and_bad_roles_fail_fast(llm):
 
 def test_sync_stream_left_early_aborts_the_request(engine_prefix):
     llm = ChatKVCMAS(engine=engine_prefix, max_tokens=200)
-    before = engine_prefix.stats()["aborted"]
+    before = engine_prefix.stats()["counters"]["aborted"]
     for _ in llm.stream("Write a very long story about a dragon and a knight."):
         break
     deadline = time.monotonic() + 10
-    while engine_prefix.stats()["aborted"] == before and time.monotonic() < deadline:
+    while engine_prefix.stats()["counters"]["aborted"] == before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engine_prefix.stats()["aborted"] == before + 1
+    assert engine_prefix.stats()["counters"]["aborted"] == before + 1
 
 
 # --- tools ------------------------------------------------------------------------------------

@@ -195,7 +195,7 @@ async def test_send_fanout_branches_batch_in_the_engine():
         out = await compiled.ainvoke({"question": "How should I store user passwords?", "answers": []})
         assert len(out["answers"]) == 3 and isinstance(out["summary"], str)
         stats = engine.stats()
-        assert stats["max_batch_seqs"] >= 2
+        assert stats["counters"]["max_batch_seqs"] >= 2
         assert set(stats["agents"]) == {*(f"expert_{e}" for e in experts), "summarizer"}
     finally:
         engine.close()
@@ -270,14 +270,14 @@ async def test_register_graph_declares_system_prompts_and_tools(kvcmas_engine):
         register_graph(compiled, kvcmas_engine, systems={"planner": 42})
 
     before = kvcmas_engine.stats()
-    ahead = dict(before["prefetch"]["by_agent"])
+    ahead = dict(before["reuse"]["kvcmas"]["prefetch"]["by_agent"])
     register_graph(compiled, kvcmas_engine, systems={"planner": systems["planner"], "coder": [SystemMessage(
         systems["coder"])], "reviewer": [{"role": "system", "content": systems["reviewer"]}]},
         tools={"coder": [multiply]})
-    assert kvcmas_engine.stats()["declared"] - before["declared"] == 3
+    assert kvcmas_engine.stats()["counters"]["declared"] - before["counters"]["declared"] == 3
     out = await compiled.ainvoke({"messages": [HumanMessage("Write a function that squares a number.")]})
     replies = {m.response_metadata["agent"]: m for m in out["messages"][1:]}
     assert list(replies) == list(ROLES)
     assert all(m.response_metadata["cached_tokens"] > 0 for m in replies.values())
-    by_agent = kvcmas_engine.stats()["prefetch"]["by_agent"]
+    by_agent = kvcmas_engine.stats()["reuse"]["kvcmas"]["prefetch"]["by_agent"]
     assert all(by_agent.get(a, 0) > ahead.get(a, 0) for a in ("coder", "reviewer")), by_agent

@@ -21,12 +21,12 @@ async def test_triton_and_gather_view_paths_agree():
     for path in ("gather", "triton"):
         eng = Engine(EngineConfig(reuse="kvcmas", view_path=path, dtype="float32"))
         try:
-            assert eng.runner.view_path == path
+            assert eng.stats()["engine"]["view_path"] == path
             await eng.generate(prompt("planner", history), agent="planner",
                                sampling=SamplingParams(max_tokens=1))
             outs.append(await eng.generate(prompt("coder", history), agent="coder",
                                            sampling=SamplingParams(max_tokens=4, return_logits=True)))
-            peaks.append(eng.stats()["kv_bytes_total_peak"])
+            peaks.append(eng.stats()["memory"]["total_bytes_peak"])
         finally:
             await eng.aclose()
     gather, triton = outs
@@ -40,7 +40,7 @@ async def test_triton_and_gather_view_paths_agree():
 
 def test_view_path_resolution(monkeypatch):
     import kvcmas_agents.kernels as kernels
-    from kvcmas_agents.engine.view_pack import resolve_view_path
+    from kvcmas_agents.reuse.views import resolve_view_path
     cpu = torch.device("cpu")
     assert resolve_view_path("auto", cpu) == "gather"
     assert resolve_view_path("query", cpu) == "query"

@@ -10,12 +10,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvcmas_agents.engine.lowrank import compress  # noqa: E402
-from kvcmas_agents.engine.realign import Realigner  # noqa: E402
-from kvcmas_agents.engine.rope import inv_frequencies  # noqa: E402
-from kvcmas_agents.engine.view_attention import OwnPiece, SegmentPiece, view_attention  # noqa: E402
-from kvcmas_agents.engine.view_pack import pack_view, packed_attention  # noqa: E402
+from kvcmas_agents.reuse.storage.lowrank import compress  # noqa: E402
+from kvcmas_agents.reuse.realign import Realigner  # noqa: E402
+from kvcmas_agents.model.rope import inv_frequencies  # noqa: E402
+from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention  # noqa: E402
+from kvcmas_agents.reuse.views.pack import pack_view, packed_attention  # noqa: E402
 from kvcmas_agents.kernels.view_attention import view_attention_fwd  # noqa: E402
+from kvcmas_agents.reuse.storage.lowrank import Format
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYERS = 2
@@ -40,8 +41,8 @@ def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, dtype, seed, len
                 "some": torch.randperm(n, generator=g)[: n // 3 + 1]}[rows_mode]
         dk = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
         dv = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
-        return compress(dk, dv, rows, rank, dtype=factors or dtype, int8_basis=int8_basis, value_bits=value_bits,
-                        key_bits=key_bits, small_rows=small_rows, u8=u8)
+        return compress(dk, dv, rows, rank, Format(factors or dtype, int8_basis=int8_basis, value_bits=value_bits,
+                                                   key_bits=key_bits, small_rows=small_rows, u8=u8))
 
     pieces = [OwnPiece(slots[0], pos[0])]
     for i, delta in enumerate((13, -4)):
@@ -154,8 +155,8 @@ def test_small_row_states_beside_factored_ones_match_oracle(dtype):
     assert small.bk is None and small.bv is None and small.key_coeffs().bits == 8 and small.ck is not None
     g = torch.Generator().manual_seed(3)
     rows = torch.arange(0, 37, 2)
-    factored = compress(0.5 * torch.randn(LAYERS, 2, rows.numel(), 64, generator=g),
-                        0.5 * torch.randn(LAYERS, 2, rows.numel(), 64, generator=g), rows, 8, dtype=torch.int8).to(DEV)
+    dk, dv = (0.5 * torch.randn(LAYERS, 2, rows.numel(), 64, generator=g) for _ in range(2))
+    factored = compress(dk, dv, rows, 8, Format(torch.int8)).to(DEV)
     assert factored.bk is not None
     seg = pieces[1]
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta, [realigner.rotate_delta(small, 9), factored])
@@ -186,7 +187,7 @@ def test_query_before_every_key_gets_zeros():
 
 
 def test_self_check_passes_and_catches_a_wrong_kernel(monkeypatch):
-    import kvcmas_agents.engine.view_pack as vp
+    import kvcmas_agents.reuse.views.pack as vp
     realigner = Realigner(inv_frequencies(64, 10000.0, None, 4096)[0])
     assert vp.self_check(realigner, 2, 6, 64, torch.device("cpu"), torch.float32) is None
     monkeypatch.setattr(vp, "packed_attention", lambda q, *a, **k: torch.zeros_like(q))
@@ -198,16 +199,12 @@ def test_self_check_passes_and_catches_a_wrong_kernel(monkeypatch):
     assert "kernel failed" in vp.self_check(realigner, 2, 6, 64, torch.device("cpu"), torch.float32)
 
 
-def test_runner_falls_back_to_torch_and_says_why_when_the_self_check_fails(monkeypatch):
-    from types import SimpleNamespace
-
-    import kvcmas_agents.engine.runner as runner_mod
-    monkeypatch.setattr(runner_mod, "resolve_view_path", lambda path, device: "triton")   # as on a GPU
-    monkeypatch.setattr(runner_mod, "self_check", lambda *a, **k: "kernel failed: RuntimeError('no ptxas')")
-    model = SimpleNamespace(device=torch.device("cpu"), args=SimpleNamespace(num_kv_heads=2, num_heads=6, head_dim=64))
-    store = SimpleNamespace(k=torch.zeros(1, dtype=torch.bfloat16))
-    corrector = SimpleNamespace(realigner=None)
-    r = runner_mod.ModelRunner(model, store, corrector, "auto")
-    assert r.view_path == "gather" and "no ptxas" in r.view_fallback
-    forced = runner_mod.ModelRunner(model, store, corrector, "triton")    # asked for explicitly: no check
-    assert forced.view_path == "triton" and forced.view_fallback is None
+def test_auto_falls_back_to_torch_and_says_why_when_the_self_check_fails(monkeypatch):
+    import kvcmas_agents.reuse.views as views
+    monkeypatch.setattr(views, "resolve_view_path", lambda path, device: "triton")   # as on a GPU
+    monkeypatch.setattr(views, "self_check", lambda *a, **k: "kernel failed: RuntimeError('no ptxas')")
+    cpu = torch.device("cpu")
+    path, why = views.choose_view_path("auto", None, 2, 6, 64, cpu, torch.bfloat16)
+    assert path == "gather" and "no ptxas" in why
+    path, why = views.choose_view_path("triton", None, 2, 6, 64, cpu, torch.bfloat16)   # asked for: no check
+    assert path == "triton" and why is None

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcmas_agents.engine.attention import SMALL_QUERY, rows_attention, sdpa
+from kvcmas_agents.model.attention import SMALL_QUERY, rows_attention, sdpa
 
 
 def _reference(q, k, v, scale):

@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, Qwen2Config
 
-from kvcmas_agents.engine.attention import PagedAttention, SeqSlice
-from kvcmas_agents.engine.kv_store import KVStore
-from kvcmas_agents.engine.loader import load_model
-from kvcmas_agents.engine.model import LlamaModel
-from kvcmas_agents.engine.model_args import ModelArgs
+from kvcmas_agents.engine.paged_attention import PagedAttention, SeqSlice
+from kvcmas_agents.cache.kv_store import KVStore
+from kvcmas_agents.model.loader import load_model
+from kvcmas_agents.model.llama import LlamaModel
+from kvcmas_agents.model.args import ModelArgs
 
 CPU = torch.device("cpu")
 
@@ -222,7 +222,7 @@ def _paged_step(model: LlamaModel, store: KVStore, parts) -> torch.Tensor:
         tokens.extend(ids[s:e])
         positions.append(torch.arange(s, e))
         write.append(store.slots(blocks, s, e))
-        slices.append(SeqSlice(offset, offset + e - s, e, store.slots(blocks, 0, e)))
+        slices.append(SeqSlice(offset, offset + e - s, store.slots(blocks, 0, e)))
         offset += e - s
     attn = PagedAttention(store, slices, torch.cat(write), model.scale)
     with torch.inference_mode():
@@ -271,7 +271,7 @@ def test_chunk_with_wrong_context_differs(tiny):
     fblocks = _scrambled_blocks(fresh, 16)
     tokens = ids[8:]
     write = fresh.slots(fblocks, 0, 8)
-    attn = PagedAttention(fresh, [SeqSlice(0, 8, 8, write)], write, model.scale)
+    attn = PagedAttention(fresh, [SeqSlice(0, 8, write)], write, model.scale)
     with torch.inference_mode():
         alone = model.logits(model.forward(torch.tensor(tokens), torch.arange(8, 16), attn))
     assert (alone - full[8:]).abs().max() > 1e-2

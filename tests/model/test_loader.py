@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
-from kvcmas_agents.engine import loader
-from kvcmas_agents.engine.errors import ModelNotFoundError
-from kvcmas_agents.engine.loader import (
+from kvcmas_agents.model import loader
+from kvcmas_agents.errors import ModelNotFoundError
+from kvcmas_agents.model.loader import (
     COMPLETE_MARKER,
     LoadedModel,
     cache_root,

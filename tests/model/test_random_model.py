@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
-from kvcmas_agents.engine.loader import load_model
-from kvcmas_agents.engine.random_model import SHAPES, Shape, random_args, random_weights
+from kvcmas_agents.model.loader import load_model
+from kvcmas_agents.model.random_model import SHAPES, Shape, random_args, random_weights
 
 
 def _layer_weights(s: Shape) -> int:

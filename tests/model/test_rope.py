@@ -13,8 +13,8 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kvcmas_agents.engine.model_args import ModelArgs
-from kvcmas_agents.engine.rope import SUPPORTED_SCALINGS, RotaryEmbedding, inv_frequencies, rotate, rotate_
+from kvcmas_agents.model.args import ModelArgs
+from kvcmas_agents.model.rope import SUPPORTED_SCALINGS, RotaryEmbedding, inv_frequencies, rotate, rotate_
 
 HEAD_DIM = 64
 HIDDEN = 256          # 4 heads of HEAD_DIM

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvcmas_agents.engine.config import SamplingParams
-from kvcmas_agents.engine.sampling import Sampler, make_generator
+from kvcmas_agents.model.sampling import Sampler, make_generator
 
 VOCAB = 1000
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.loader import load_model
-from kvcmas_agents.engine.lowrank import compress
-from kvcmas_agents.engine.model import LlamaModel
-from kvcmas_agents.engine.realign import Realigner, refuses
-from kvcmas_agents.engine.rope import RotaryEmbedding, inv_frequencies, rotate
+from kvcmas_agents.model.loader import load_model
+from kvcmas_agents.reuse.storage.lowrank import compress
+from kvcmas_agents.model.llama import LlamaModel
+from kvcmas_agents.reuse.realign import Realigner, refuses
+from kvcmas_agents.model.rope import RotaryEmbedding, inv_frequencies, rotate
+from kvcmas_agents.reuse.storage.lowrank import Format
 
 CPU = torch.device("cpu")
 HEAD_DIM = 64
@@ -121,8 +122,7 @@ def test_rotate_delta_rotates_reconstructed_key_rows_without_a_copy(int8):
     realigner = Realigner(inv.float())
     layers, heads, nrows = 2, 3, 5
     devs = torch.randn(layers, heads, nrows, HEAD_DIM), torch.randn(layers, heads, nrows, HEAD_DIM)
-    state = compress(*devs, torch.tensor([0, 2, 3, 7, 9]), rank=4, dtype=torch.int8 if int8 else None,
-                     int8_basis=int8)
+    state = compress(*devs, torch.tensor([0, 2, 3, 7, 9]), 4, Format(torch.int8 if int8 else None, int8_basis=int8))
     moved = realigner.rotate_delta(realigner.rotate_delta(state, 40), 2)
     assert moved.shift == 42 and moved.bk is state.bk and moved.sk is state.sk    # shared, not copied
     with pytest.raises(ValueError, match="owe a rotation"):

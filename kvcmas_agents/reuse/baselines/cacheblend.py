@@ -7,7 +7,7 @@ Per request of agent X, for the spans reused from other agents' home views:
      their recomputed KV over the copy at those two layers;
   3. rank the reused tokens by their KV deviation at layer 1 (the "high-KV-deviation" tokens):
      ``||K_new - K_reused||^2 + ||V_new - V_reused||^2`` summed over KV heads, and keep the top
-     ``recompute_ratio`` of them (default EngineConfig.blend_ratio = 0.15, the paper's ~15%);
+     ``recompute_ratio`` of them (CacheBlendConfig.ratio, default 0.15: the paper's ~15%);
   4. recompute only those tokens in layers 2..L-1 and overwrite their rows: the blended KV.
 New text between reused spans is computed at every layer. Nothing persists: the blended copy is the
 request's own KV (counted in kv_bytes, freed with it), and every request blends anew.
@@ -16,34 +16,50 @@ Usage: reused_tokens = tokens of the reused spans; recomputed_tokens = the selec
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-from .private_view import copy_realigned, recompute_rows, span_positions
-from .request import Request
-
-if TYPE_CHECKING:
-    from .correction import Corrector
+from ..base import ReuseRequest
+from ..registry import register
+from .private_view import PrivateCopyMethod, span_positions
 
 BLEND_LAYER = 1   # the layer whose KV deviation selects the tokens (CacheBlend's choice)
 
 
-class CacheBlend:
-    def __init__(self, corr: "Corrector"):
-        self.c = corr
+@dataclass(frozen=True)
+class CacheBlendConfig:
+    """ratio: share of reused tokens recomputed past the blend layer (the paper's ~15%); a request's
+    explicit ReuseOptions.recompute_ratio overrides it."""
+
+    ratio: float = 0.15
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"cacheblend ratio must be in [0, 1], got {self.ratio}")
+
+
+@register
+class CacheBlend(PrivateCopyMethod):
+    name = "cacheblend"
+    config_class = CacheBlendConfig
+
+    @classmethod
+    def defaults(cls, config) -> tuple[float, int, str]:
+        _, rank, reference = super().defaults(config)
+        return cls.settings_of(config).ratio, rank, reference
 
     @torch.inference_mode()
-    def correct(self, req: Request) -> None:
+    def prepare(self, req: ReuseRequest) -> None:
         pending = [p for p in req.pieces if p.pending and p.home is not None]
         new = [p for p in req.pieces if p.home is None]
-        copy_realigned(self.c, req, pending)
-        dev = self.c.model.device
+        self.copy_realigned(req, pending)
+        dev = self.ctx.device
         reused, fresh = span_positions(pending, dev), span_positions(new, dev)
         positions, order = torch.cat([reused, fresh]).sort()
         is_reused = order < reused.numel()
         keep_reused = round(req.options.recompute_ratio * reused.numel())
-        blend_layer = min(BLEND_LAYER, self.c.model.args.num_layers - 1)
+        blend_layer = min(BLEND_LAYER, self.ctx.model.args.num_layers - 1)
 
         def select(layer, pos, k_old, v_old, k_new, v_new):
             if layer != blend_layer:
@@ -53,7 +69,10 @@ class CacheBlend:
             score = torch.where(is_reused, dev_kv, torch.full_like(dev_kv, float("inf")))  # new text: always
             return torch.topk(score, keep_reused + fresh.numel()).indices.sort().values
 
-        recompute_rows(self.c, req, positions, select)
+        self.recompute_rows(req, positions, select)
         for p in pending + new:
             p.pending = False
         req.recomputed_tokens += keep_reused
+
+    def stats(self) -> dict:
+        return {"ratio": self.settings.ratio}

@@ -3,32 +3,47 @@ LLM-based Multi-agent Systems"), written from the paper's description on this en
 
 Per request of agent X, for each span reused from another agent's home view (in position order):
   1. copy the home KV into X's own blocks, keys RoPE-realigned to X's positions (the "base" KV);
-  2. look up the anchors of (X, placeholder) (engine/anchors.py: placeholder = the segment's message
+  2. look up the anchors of (X, placeholder) (anchors.py: placeholder = the segment's message
      index in X's prompt) and measure the home keys' distance to each anchor's base keys;
-  3. hit (nearest anchor within kvcomm_threshold): add the interpolated full-size offsets of the
+  3. hit (nearest anchor within KVCommConfig.threshold): add the interpolated full-size offsets of the
      anchors within the threshold, all layers, K and V, to the copy;
      miss: prefill the segment densely under X's context (its KV computed at every layer, exactly as a
      plain prefill would given the context before it), and keep (home keys, exact - base) as a new
-     anchor; at most kvcomm_anchors anchors per placeholder, the oldest is evicted.
+     anchor; at most KVCommConfig.anchors anchors per placeholder, the oldest is evicted.
 Misses are computed after the hits are applied, so a missed segment sees its predecessors as served.
-Memory: the request's copy is its own KV (kv_bytes); anchors persist (anchor_bytes, part of
-kv_bytes_total). Usage: a hit counts as reused; a miss counts as recomputed and not as reused.
+Memory: the request's copy is its own KV (kv_bytes); anchors persist (their bytes count in the engine's
+memory totals). Usage: a hit counts as reused; a miss counts as recomputed and not as reused.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from ..base import ReuseContext, ReuseRequest
+from ..pieces import ReusePiece
+from ..registry import register
 from .anchors import Anchor, AnchorPool, sim_layer
-from .private_view import copy_realigned, own_slots, recompute_rows, span_positions
-from .request import Request, ReusePiece
-
-if TYPE_CHECKING:
-    from .correction import Corrector
+from .private_view import PrivateCopyMethod, span_positions
 
 
-def placeholder(req: Request, piece: ReusePiece) -> int:
+@dataclass(frozen=True)
+class KVCommConfig:
+    """anchors: anchors kept per (agent, placeholder), the oldest evicted beyond it; threshold: the match
+    threshold on the relative key distance (anchors.py): a segment whose nearest anchor is farther is
+    prefilled densely and becomes an anchor."""
+
+    anchors: int = 20
+    threshold: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.anchors, int) or isinstance(self.anchors, bool) or self.anchors < 1:
+            raise ValueError(f"kvcomm anchors must be a positive int, got {self.anchors!r}")
+        if not self.threshold > 0:
+            raise ValueError(f"kvcomm threshold must be > 0, got {self.threshold}")
+
+
+def placeholder(req: ReuseRequest, piece: ReusePiece) -> int:
     """The slot of a reused span in the agent's prompt: its chat message index (negative ordinal when the
     segment has none, e.g. an injected tool-instruction message)."""
     for i, seg in enumerate(req.prompt.segments):
@@ -37,21 +52,26 @@ def placeholder(req: Request, piece: ReusePiece) -> int:
     raise ValueError(f"no prompt segment holds position {piece.start}")
 
 
-class KVComm:
-    def __init__(self, corr: "Corrector", pool: AnchorPool):
-        self.c, self.pool = corr, pool
+@register
+class KVComm(PrivateCopyMethod):
+    name = "kvcomm"
+    config_class = KVCommConfig
+
+    def __init__(self, ctx: ReuseContext, settings: KVCommConfig | None = None):
+        super().__init__(ctx, settings or KVCommConfig())
+        self.pool = AnchorPool(self.settings.anchors, self.settings.threshold)
 
     def base_keys(self, piece: ReusePiece) -> torch.Tensor:
         """The home keys at the similarity layer, in the position-0 frame, [n, KVH, D]."""
-        layer = sim_layer(self.c.model.args.num_layers)
-        return self.c.realigner.rotate_keys(self.c.store.k[layer][piece.home.slots], -piece.home.start)
+        layer = sim_layer(self.ctx.model.args.num_layers)
+        return self.ctx.realigner.rotate_keys(self.ctx.store.k[layer][piece.home.slots], -piece.home.start)
 
     @torch.inference_mode()
-    def correct(self, req: Request) -> None:
-        store, rot = self.c.store, self.c.realigner
+    def prepare(self, req: ReuseRequest) -> None:
+        store, rot = self.ctx.store, self.ctx.realigner
         pending = [p for p in req.pieces if p.pending and p.home is not None]
         new = [p for p in req.pieces if p.home is None]
-        copy_realigned(self.c, req, pending)
+        self.copy_realigned(req, pending)
         misses: list[tuple[ReusePiece, int, torch.Tensor]] = []
         for p in pending:
             slot, base = placeholder(req, p), self.base_keys(p)
@@ -60,17 +80,17 @@ class KVComm:
                 misses.append((p, slot, base))
                 continue
             dk, dv = self.pool.offsets(match, p.end - p.start)
-            dst = own_slots(self.c, req, p)
+            dst = self.own_slots(req, p)
             store.k[:, dst] = (store.k[:, dst].float() + rot.rotate(dk, p.start)).to(store.k.dtype)
             store.v[:, dst] = (store.v[:, dst].float() + dv).to(store.v.dtype)
         self._prefill(req, misses, new)
         for p in pending + new:
             p.pending = False
 
-    def _prefill(self, req: Request, misses: list[tuple[ReusePiece, int, torch.Tensor]],
+    def _prefill(self, req: ReuseRequest, misses: list[tuple[ReusePiece, int, torch.Tensor]],
                  new: list[ReusePiece]) -> None:
         """Dense prefill of missed segments and new text; each missed segment becomes an anchor."""
-        dev = self.c.model.device
+        dev = self.ctx.device
         missed = [p for p, _, _ in misses]
         positions = torch.cat([span_positions(missed, dev), span_positions(new, dev)]).sort().values
         if positions.numel() == 0:
@@ -86,10 +106,19 @@ class KVComm:
                 dvs[id(p)].append(v_new[i] - v_old[i])
             return None
 
-        recompute_rows(self.c, req, positions, capture)
+        self.recompute_rows(req, positions, capture)
         for p, slot, base in misses:
-            dk = self.c.realigner.rotate(torch.stack(dks[id(p)]), -p.start)    # to the position-0 frame
+            dk = self.ctx.realigner.rotate(torch.stack(dks[id(p)]), -p.start)    # to the position-0 frame
             self.pool.add(Anchor(req.agent, slot, base, dk, torch.stack(dvs[id(p)])))
             n = p.end - p.start
             req.reused_tokens -= n
             req.recomputed_tokens += n
+
+    def state_bytes(self) -> int:
+        return self.pool.nbytes
+
+    def stats(self) -> dict:
+        a = self.pool.stats()
+        return {"anchors": a.anchors, "anchor_bytes": a.anchor_bytes, "anchor_bytes_by_agent": a.by_agent,
+                "hits": a.hits, "misses": a.misses, "evicted": a.evicted,
+                "max_anchors": self.settings.anchors, "threshold": self.settings.threshold}

@@ -1,5 +1,4 @@
-"""Ahead-of-time corrections along the edge order (DESIGN.md, step 3a: "the edge order's real job is
-scheduling").
+"""Ahead-of-time corrections along the edge order: the edge order's real job is scheduling.
 
 When agent Y's prompt has been computed, each graph successor S of Y will most likely next see
 ``[S's own system prefix] + [Y's shared messages] + [Y's reply, a hand-off] + [generation prompt]``.
@@ -19,13 +18,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Callable
 
-from .chat import RenderedPrompt, Segment
-from .config import ReuseOptions, SamplingParams
-from .correction import Corrector
-from .request import Request
-from .scheduler import Scheduler
+from ...chat.template import RenderedPrompt, Segment
+from ..base import ReuseRequest
+from ..cross_agent import CrossAgentMethod
+from ..options import ReuseOptions
+
 
 SELECT_WINDOW = 32
 
@@ -49,7 +47,7 @@ class PrefetchStats:
     by_agent: dict[str, int] = field(default_factory=dict)
 
 
-def _leading_prefix(req: Request) -> int:
+def _leading_prefix(req: ReuseRequest) -> int:
     """End of the request's leading "prefix" segments (its own system message)."""
     end = 0
     for seg in req.prompt.segments:
@@ -60,20 +58,21 @@ def _leading_prefix(req: Request) -> int:
 
 
 class Prefetcher:
-    def __init__(self, scheduler: Scheduler, corrector: Corrector, successors: Callable[[str], list[str]],
-                 ratio: float = 0.0):
-        self.scheduler, self.corrector, self.successors = scheduler, corrector, successors
+    """Queues and runs a KVCMAS method's ahead-of-time corrections, one pending per agent."""
+
+    def __init__(self, method: CrossAgentMethod, ratio: float = 0.0):
+        self.method, self.ctx = method, method.ctx
         self._prefixes: dict[str, _Prefix] = {}
-        self._queue: OrderedDict[str, Request] = OrderedDict()     # one pending prefetch per agent
+        self._queue: OrderedDict[str, ReuseRequest] = OrderedDict()     # one pending prefetch per agent
         self.stats = PrefetchStats()
         self.ratio = ratio            # floor on the recompute ratio of ahead-of-time corrections
 
     def has_work(self) -> bool:
         return bool(self._queue)
 
-    def observe(self, req: Request) -> None:
+    def observe(self, req: ReuseRequest) -> None:
         """A kvcmas request's prompt is computed: remember its agent's prefix, queue its successors."""
-        if req.options.reuse != "kvcmas" or not req.prompt.prefix_stable:
+        if not req.prompt.prefix_stable:
             return
         end = _leading_prefix(req)
         if end == 0 or req.prompt.segments[-1].kind != "suffix":
@@ -81,14 +80,14 @@ class Prefetcher:
         self._prefixes[req.agent] = _Prefix(req.prompt_ids[:end], [s for s in req.prompt.segments if s.end <= end])
         if req.declare:        # a declared prefix alone: nothing shared to predict from
             return
-        for succ in self.successors(req.agent):
+        for succ in self.ctx.successors(req.agent):
             spec = self._predict(succ, req, end)
             if spec is not None:
                 self._queue.pop(succ, None)
                 self._queue[succ] = spec
                 self.stats.queued += 1
 
-    def _predict(self, agent: str, src: Request, src_prefix_end: int) -> Request | None:
+    def _predict(self, agent: str, src: ReuseRequest, src_prefix_end: int) -> ReuseRequest | None:
         prefix = self._prefixes.get(agent)
         if prefix is None or agent == src.agent:
             return None
@@ -105,9 +104,8 @@ class Prefetcher:
             select_from = seg.start
             if len(ids) - select_from >= SELECT_WINDOW:
                 break
-        return Request(request_id=f"prefetch-{agent}-{src.request_id}", agent=agent, prompt=prompt,
-                       sampling=SamplingParams(max_tokens=1), max_new_tokens=1, detok=None,
-                       sink=lambda event: None, options=self._options(src.options), select_from=select_from)
+        return self.ctx.side_request(f"prefetch-{agent}-{src.request_id}", agent, prompt,
+                                     self._options(src.options), select_from)
 
     def _options(self, options: ReuseOptions) -> ReuseOptions:
         return replace(options, recompute_ratio=max(options.recompute_ratio, self.ratio))
@@ -125,23 +123,23 @@ class Prefetcher:
             return
         self._run(req)
 
-    def _run(self, req: Request) -> None:
-        sched, t0 = self.scheduler, time.perf_counter()
+    def _run(self, req: ReuseRequest) -> None:
+        ctx, t0 = self.ctx, time.perf_counter()
         try:
-            sched.plan(req)                                 # the corrector's plan: pins the home views
+            self.method.plan(req)                           # pins the home views
             pending = [p for p in req.pieces if p.pending and p.home is not None]
             # An own prefix that is not a home view would need a prefill first: not worth it ahead of time.
-            if req.own_prefix_end > 0 or not pending or not sched.reserve(req, len(req.prompt_ids)):
+            if req.own_prefix_end > 0 or not pending or not ctx.reserve(req, len(req.prompt_ids)):
                 self.stats.skipped += 1
                 return
-            self.corrector.correct(req)
+            self.method.prepare(req)
             self.stats.corrections += 1
             self.stats.recomputed_tokens += req.recomputed_tokens
             self.stats.by_agent[req.agent] = self.stats.by_agent.get(req.agent, 0) + 1
         except Exception:          # a prefetch is an optimisation: the real request corrects inline
             self.stats.failed += 1
         finally:
-            sched.release(req)
+            ctx.release(req)
             self.stats.seconds += time.perf_counter() - t0
 
     def clear(self) -> None:

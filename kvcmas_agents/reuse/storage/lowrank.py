@@ -25,14 +25,39 @@ from typing import Callable, Iterable
 
 import torch
 
+from ...model.rope import rotate
 from .code_features import features
 from .quant_rows import (BITS, channel_scale, code_bits, dequantize_rows, normalized, pack_nibbles, pack_sixes,
                          quantize_rows, row_width, unpack_nibbles, unpack_sixes)
-from .rope import rotate
 
-# Code bits of a factored int8 U's leading components (EngineConfig.u_head_bits): 8, or 6 packed four
+# Code bits of a factored int8 U's leading components (StorageSpec.u_head_bits): 8, or 6 packed four
 # codes to three bytes.
 HEAD_BITS: tuple[int, ...] = (6, 8)
+
+
+@dataclass(frozen=True)
+class Format:
+    """The codec switches of ``compress``, all off by default (factors in the deviations' dtype, every
+    side factored). ``StorageSpec.format`` sets them from the engine's storage settings.
+
+    dtype: the factors' dtype (None: the deviations'); torch.int8 stores U as codes with per-component
+        scales folded into a bf16 B (``int8_basis``: B in int8 too, one fp32 scale per component).
+    value_bits / key_bits: 4, 6 or 8 keeps that side full rank as quantized rows (0: factored).
+    small_rows: with int8 factors, a side whose factors would take more bytes than 8-bit rows keeps
+        its rows instead, in ``small_bits``.
+    u8: with int8 factors, U's components past the first ``u8`` get 4-bit codes (None: none do).
+    head_bits: code bits of U's leading components, 8 or 6.
+    """
+
+    dtype: torch.dtype | None = None
+    int8_basis: bool = False
+    value_bits: int = 0
+    key_bits: int = 0
+    small_rows: bool = False
+    u8: int | None = None
+    small_bits: int = 8
+    head_bits: int = 8
+
 
 @dataclass
 class LowRankDelta:
@@ -436,24 +461,15 @@ def _quantized(u: torch.Tensor, b: torch.Tensor, int8_basis: bool, u8: int | Non
     return u_q, b_q, sb.float(), tail, bits
 
 
-def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
-             dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
-             key_bits: int = 0, first_layer: int = 0, small_rows: bool = False,
-             u8: int | None = None, small_bits: int = 8, head_bits: int = 8) -> LowRankDelta:
+def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int, fmt: Format = Format(),
+             first_layer: int = 0) -> LowRankDelta:
     """Truncated SVD of deviations dk/dv [L, KVH, R, D] of segment ``rows`` [R] to rank ``rank``.
 
     Keeps min(rank, R, D) components, so a rank >= min(R, D) reconstructs exactly. The SVD runs in fp64;
-    factors are stored in ``dtype`` (default: dk's dtype). ``torch.int8`` stores U quantized per
-    component with B in bf16, or B in int8 too with ``int8_basis`` (see ``_quantized``). With
-    ``value_bits`` (4, 6 or 8) only the keys are factored: the value rows are kept full rank, quantized
-    per row to that many bits with one bf16 scale per row and head, and B_v is the identity. With
-    ``key_bits`` the key rows are kept so too, each channel divided first by its scale over the rows
-    (``quant_rows.channel_scale``); no SVD runs for a side kept as rows. With ``small_rows`` and int8
-    factors, a factored side whose factors would take more bytes than its rows as 8-bit rows keeps
-    those rows instead (``rows_are_smaller``), quantized to ``small_bits``. With int8 factors and
-    ``u8``, U's components past the first ``u8`` are stored as 4-bit codes, and with ``head_bits=6``
-    the first ones as 6-bit codes (``_quantized``). Layers before ``first_layer`` are dropped: the
-    state corrects nothing there.
+    ``fmt`` says how the result is stored (see ``Format``): int8 U codes (``_quantized``), a side kept
+    as quantized rows (each key channel divided first by its scale over the rows,
+    ``quant_rows.channel_scale``; no SVD runs for such a side), small corrections as rows
+    (``rows_are_smaller``). Layers before ``first_layer`` are dropped: the state corrects nothing there.
     """
     if dk.shape != dv.shape or dk.dim() != 4:
         raise ValueError(f"dk {tuple(dk.shape)} and dv {tuple(dv.shape)} must both be [L, KVH, R, D]")
@@ -465,9 +481,10 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int,
         raise ValueError("rows must be unique")
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
-    dtype = dtype or dk.dtype
+    dtype, int8_basis, value_bits, key_bits = fmt.dtype or dk.dtype, fmt.int8_basis, fmt.value_bits, fmt.key_bits
+    u8, small_bits, head_bits = fmt.u8, fmt.small_bits, fmt.head_bits
     rows = rows.to(device=dk.device, dtype=torch.long)
-    small = small_rows and dtype == torch.int8
+    small = fmt.small_rows and dtype == torch.int8
     if small and small_bits not in BITS:
         raise ValueError(f"small_bits must be one of {BITS}, got {small_bits!r}")
     if head_bits not in HEAD_BITS:
@@ -492,11 +509,10 @@ def rows_are_smaller(rows: int, dim: int, rank: int, channels: bool) -> bool:
     """Whether ``rows`` deviation rows of width ``dim`` take fewer bytes per layer and KV head as
     8-bit rows (one bf16 scale per row, and per channel for keys) than as rank-``rank`` factors with
     an int8 U and a bf16 B. At rank 40 and head_dim 64 that is below about 190 rows: a request that
-    corrects only its newest reply. The rows are then also near exact (about 0.003% of the
-    deviation's energy lost, against 1-2% for its SVD). The comparison stays with those factors when
-    they are stored smaller (an int8 B, a 4-bit tail of U): those would win from about 100 rows on,
-    saving 1.2 MiB on the bench pipeline for 0.5 and 0.7 points more of the key and value energy lost
-    (dev capture, README "Correction storage"), where the 4-bit tail saves 5.2 MiB for 0.1 and 0.16."""
+    corrects only its newest reply. The rows are then also near exact, against 1-2% of the energy
+    lost by its SVD. The comparison stays with those factors when they are stored smaller (an int8 B,
+    a 4-bit tail of U): moving it would trade more fidelity for fewer bytes than the 4-bit tail does
+    (docs/storage.md)."""
     r = min(rank, rows, dim)
     return rows * (dim * SMALL_ROW_BITS // 8 + 2) + (2 * dim if channels else 0) < rows * r + 2 * r * dim
 
@@ -523,9 +539,7 @@ def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, 
 
 
 def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[torch.Tensor], rank: int,
-                   dtype: torch.dtype | None = None, int8_basis: bool = False, value_bits: int = 0,
-                   key_bits: int = 0, first_layer: int = 0, small_rows: bool = False,
-                   u8: int | None = None, small_bits: int = 8, head_bits: int = 8) -> list[LowRankDelta]:
+                   fmt: Format = Format(), first_layer: int = 0) -> list[LowRankDelta]:
     """Compress several segments' deviations (each [L, KVH, R_i, D]) against one shared basis.
 
     The segments an agent corrects in one request deviate for the same reason (its own prefix), so
@@ -536,8 +550,7 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
     if not (len(dks) == len(dvs) == len(rows)) or not dks:
         raise ValueError("compress_joint needs one dk, dv and rows per segment")
     dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
-    joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, dtype, int8_basis,
-                     value_bits, key_bits, first_layer, small_rows, u8, small_bits, head_bits)   # split below
+    joint = compress(dk, dv, torch.arange(dk.shape[2], device=dk.device), rank, fmt, first_layer)   # split below
     out, offset = [], 0
     for r in rows:
         n = r.numel()
@@ -634,10 +647,10 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
         # a side's U that is not rows, and its 8-bit components when it has a 4-bit tail
         factored = first.value_coeffs() if first.rk is not None else first.key_coeffs()
         u8 = factored.rank - factored.tail if factored.tail else None
-        return compress(dk, dv, rows, rank, dtype=factored.u.dtype,
-                        int8_basis=first.sk is not None or first.sv is not None,
-                        value_bits=first.value_coeffs().bits, key_bits=first.key_coeffs().bits,
-                        first_layer=min(d.first_layer for d in deltas), u8=u8, head_bits=factored.head or 8)
+        fmt = Format(factored.u.dtype, int8_basis=first.sk is not None or first.sv is not None,
+                     value_bits=first.value_coeffs().bits, key_bits=first.key_coeffs().bits, u8=u8,
+                     head_bits=factored.head or 8)
+        return compress(dk, dv, rows, rank, fmt, first_layer=min(d.first_layer for d in deltas))
 
     def scatter_u(us: list[torch.Tensor]) -> torch.Tensor:
         # Each delta's U gets its own rank columns; rows it does not correct stay zero.

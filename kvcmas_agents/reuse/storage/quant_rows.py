@@ -94,7 +94,7 @@ def channel_scale(d: torch.Tensor) -> torch.Tensor:
     Key deviations carry a few channels far larger than the rest (as keys do), so one scale per row
     is set by those and rounds the others coarsely, whatever their share of the logits. Rows divided
     by their channels' scales (``normalized``) quantize each channel to its own size; the per-row
-    scale then follows the row's size (README, "Correction storage", has the measured errors).
+    scale then follows the row's size (docs/storage.md has the errors).
     """
     return d.float().pow(2).mean(-2, keepdim=True).sqrt().to(torch.bfloat16)
 

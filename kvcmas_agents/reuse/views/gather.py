@@ -14,11 +14,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .attention import grouped_attention, sdpa
-from .lowrank import Basis, Coeffs
-from .realign import Realigner
-from .rope import rotate, rotate_
-from .view_attention import SegmentPiece
+from ...model.attention import grouped_attention, sdpa
+from ...model.rope import rotate, rotate_
+from ..realign import Realigner
+from ..storage.lowrank import Basis, Coeffs
+from .reference import SegmentPiece
 
 
 Group = tuple[list[Coeffs], Basis, list[Coeffs], Basis]      # (U_k's, B_k, U_v's, B_v) sharing one basis
@@ -69,8 +69,13 @@ class GatheredView:
         return replace(self, slots=torch.cat([self.slots, slots]),
                        key_class=torch.cat([self.key_class, self.key_class.new_zeros(slots.numel())]))
 
+    def attend(self, q: torch.Tensor, q_positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               layer: int, scale: float) -> torch.Tensor:
+        """Attention of the view's last len(q) positions (``q_positions`` is implied by the layout)."""
+        return gathered_attention(q, self, k_cache, v_cache, layer, scale)
 
-def build_view(pieces: list, realigner: Realigner, device: torch.device, dtype: torch.dtype) -> GatheredView:
+
+def build_gathered(pieces: list, realigner: Realigner, device: torch.device, dtype: torch.dtype) -> GatheredView:
     """Lay out pieces in order (their keys' positions need not be contiguous)."""
     slots, rotations, groups = [], [], {}
     offset = 0
@@ -174,9 +179,8 @@ def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor
 LOWRANK_QUERY = 8
 # Up to this many rotated queries (queries x rotation classes, the identity included), the queries are
 # rotated by minus each segment delta instead of rotating every reused key (R(-d) q . k == q . R(d) k):
-# on CPU the key rotation took as long as the scores themselves, while each rotated query costs one more
-# row of scores (a microbenchmark at SmolLM2 shapes and 2,000 keys: the break-even is near 9 for one
-# query). The bench pipeline's decode views have 8 classes (7 deltas: about two per home agent).
+# on CPU the key rotation costs about as much as the scores themselves, while each rotated query costs
+# one more row of scores, so for one query the break-even is near 9 classes (docs/attention.md).
 QUERY_ROTATIONS = 9
 
 

@@ -14,25 +14,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
-from .config import VIEW_PATHS
-from .lowrank import LowRankDelta
-from .realign import Realigner
-from .view_attention import SegmentPiece
+from ..realign import Realigner
+from ..storage.lowrank import LowRankDelta
+from .reference import OwnPiece, SegmentPiece, view_attention
 
 if TYPE_CHECKING:
-    from ..kernels.view_attention import ViewDescriptor
-
-
-def resolve_view_path(path: str, device: torch.device) -> str:
-    """"auto" -> "triton" on CUDA when Triton is installed, else "gather"; "triton" is checked here."""
-    if path not in VIEW_PATHS:
-        raise ValueError(f"view_path must be one of {VIEW_PATHS}, got {path!r}")
-    if path == "auto":
-        return "triton" if device.type == "cuda" and kernels.triton_available() else "gather"
-    if path == "triton":
-        kernels.require_triton(device.type)
-    return path
+    from ...kernels.view_attention import ViewDescriptor
 
 
 @dataclass
@@ -67,7 +54,7 @@ def _pad_rank(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def pack_view(pieces: list, realigner: Realigner, device: torch.device, block_n: int = 64) -> "ViewDescriptor":
     """Flatten ``pieces`` (OwnPiece / SegmentPiece, as for ``view_attention``) for the kernel."""
-    from ..kernels.view_attention import PAD_POS, ViewDescriptor
+    from ...kernels.view_attention import PAD_POS, ViewDescriptor
 
     runs = _runs(pieces)
     if not runs:
@@ -125,7 +112,7 @@ def pack_view(pieces: list, realigner: Realigner, device: torch.device, block_n:
 def packed_attention(q: torch.Tensor, q_positions: torch.Tensor, desc: "ViewDescriptor", k_cache: torch.Tensor,
                      v_cache: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """The Triton kernel over a packed view: same contract as ``view_attention`` (without masses)."""
-    from ..kernels.view_attention import view_attention_fwd
+    from ...kernels.view_attention import view_attention_fwd
     return view_attention_fwd(q, q_positions, k_cache, v_cache, desc, layer, scale)
 
 
@@ -135,9 +122,8 @@ def self_check(realigner: Realigner, kv_heads: int, heads: int, head_dim: int, d
 
     Returns None when they agree, else why not (an exception, or the max error). The engine runs this
     before picking the kernel by default on a GPU, and falls back to the torch path with the reason in
-    ``stats()["view_path_fallback"]`` rather than serve from a kernel it has not seen work there.
+    its stats rather than serve from a kernel it has not seen work there.
     """
-    from .view_attention import OwnPiece, view_attention
     g = torch.Generator(device="cpu").manual_seed(0)
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
     k, v = rand(80, kv_heads, head_dim), rand(80, kv_heads, head_dim)

@@ -13,8 +13,8 @@ from typing import Literal, Union, overload
 
 import torch
 
-from .lowrank import LowRankDelta
-from .realign import Realigner
+from ..realign import Realigner
+from ..storage.lowrank import LowRankDelta
 
 
 @dataclass

@@ -9,10 +9,11 @@ import torch
 
 from kvcmas_agents import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.engine import ReuseOptions
-from kvcmas_agents.engine.anchors import Anchor, AnchorPool, distance, fit
+from kvcmas_agents.reuse.baselines.anchors import Anchor, AnchorPool, distance, fit
 from kvcmas_agents.fidelity import CSV_SYSTEM as SYSTEM
 from kvcmas_agents.fidelity import CSV_TASK as TASK
 from kvcmas_agents.fidelity import kl
+from kvcmas_agents.reuse.baselines import CacheBlendConfig, KVCommConfig
 
 FIRST = SamplingParams(max_tokens=1, return_logits=True)
 PLAN = ("[planner] 1. Open the file with csv.reader. 2. Skip malformed rows and missing amounts. "
@@ -59,7 +60,8 @@ async def peak_extra(engine: Engine, agent: str, messages: list[dict], mode: str
     before = engine.stats()
     out = await run(engine, agent, messages, mode, name)
     after = engine.stats()
-    return out, after["kv_bytes_peak"] - before["kv_bytes"], after["kv_bytes_total_peak"] - before["kv_bytes_total"]
+    a, b = after["memory"], before["memory"]
+    return out, a["kv_bytes_peak"] - b["kv_bytes"], a["total_bytes_peak"] - b["total_bytes"]
 
 
 async def test_cacheblend_pipeline(engine):
@@ -74,10 +76,11 @@ async def test_cacheblend_pipeline(engine):
         assert math.isfinite(kl(ref.logits[0], out.logits[0]))
     stats = await settle(engine)
     # Nothing persists: no corrections or anchors; KV is back to the home views (+ cached blocks).
-    assert stats["corrections"] == 0 and stats["correction_bytes"] == 0 and stats["anchor_bytes"] == 0
-    assert stats["blocks_in_use"] == len(engine.scheduler.segments.home_blocks)
-    assert stats["kv_bytes"] == stats["home_view_bytes"] + stats["kv_bytes_cached"]
-    assert stats["blend_ratio"] == 0.15
+    kvcmas, kvcomm = stats["reuse"]["kvcmas"], stats["reuse"]["kvcomm"]
+    assert kvcmas["corrections"] == 0 and kvcmas["correction_bytes"] == 0 and kvcomm["anchor_bytes"] == 0
+    assert stats["memory"]["blocks_in_use"] == len(engine.segments.home_blocks)
+    assert stats["memory"]["kv_bytes"] == stats["memory"]["home_view_bytes"] + stats["memory"]["kv_bytes_cached"]
+    assert stats["reuse"]["cacheblend"]["ratio"] == 0.15
 
 
 async def test_cacheblend_holds_a_private_copy(engine):
@@ -89,14 +92,14 @@ async def test_cacheblend_holds_a_private_copy(engine):
     ours, ours_extra, ours_total = await peak_extra(engine, "reviewer", msgs, "kvcmas", "r-kvcmas")
     naive, naive_extra, _ = await peak_extra(engine, "reviewer", msgs, "naive", "r-naive")
     assert blend.usage.reused_tokens == ours.usage.reused_tokens == naive.usage.reused_tokens > 0
-    bs, block = engine.store.block_size, engine.stats()["block_bytes"]
+    bs, block = engine.store.block_size, engine.stats()["memory"]["block_bytes"]
     full_copy = (blend.usage.reused_tokens // bs - 1) * block      # blocks wholly inside the reused spans
     assert blend_extra - ours_extra >= full_copy > 0
     assert blend_extra - naive_extra >= full_copy
     assert blend_total > ours_total          # the private copy outweighs KVCMAS's blocks + correction
     assert blend_total >= blend_extra
     stats = await settle(engine)
-    assert stats["blocks_in_use"] == len(engine.scheduler.segments.home_blocks)
+    assert stats["memory"]["blocks_in_use"] == len(engine.segments.home_blocks)
 
 
 async def test_cacheblend_full_ratio_is_exact(engine):
@@ -123,32 +126,34 @@ async def test_kvcomm_anchors(engine):
     # First encounter of (coder, message 1): dense prefill, which becomes an anchor.
     assert first.usage.recomputed_tokens == task_len and first.usage.reused_tokens == 0
     stats = engine.stats()
-    assert stats["anchors"] == 1 and stats["anchor_misses"] == 1 and stats["anchor_bytes"] > 0
-    assert stats["anchor_bytes_by_agent"] == {"coder": stats["anchor_bytes"]}
-    assert stats["kv_bytes_total"] == stats["kv_bytes"] + stats["correction_bytes"] + stats["anchor_bytes"]
+    kvcomm = stats["reuse"]["kvcomm"]
+    assert kvcomm["anchors"] == 1 and kvcomm["misses"] == 1 and kvcomm["anchor_bytes"] > 0
+    assert stats["reuse"]["kvcomm"]["anchor_bytes_by_agent"] == {"coder": stats["reuse"]["kvcomm"]["anchor_bytes"]}
+    assert stats["memory"]["state_bytes"] == stats["reuse"]["kvcmas"]["correction_bytes"] + kvcomm["anchor_bytes"]
+    assert stats["memory"]["total_bytes"] == stats["memory"]["kv_bytes"] + stats["memory"]["state_bytes"]
     layers, heads, dim = engine.args.num_layers, engine.args.num_kv_heads, engine.args.head_dim
     elem = engine.store.k.element_size()
-    assert stats["anchor_bytes"] == (2 * layers + 1) * task_len * heads * dim * elem   # full offsets + base keys
+    assert kvcomm["anchor_bytes"] == (2 * layers + 1) * task_len * heads * dim * elem   # full offsets + base keys
     assert kl(ref.logits[0], first.logits[0]) < 1e-4                                      # dense = exact
 
     again = await run(engine, "coder", msgs, "kvcomm")       # same segment: served from the anchor
     assert again.usage.reused_tokens == task_len and again.usage.recomputed_tokens == 0
-    assert engine.stats()["anchor_hits"] == 1 and engine.stats()["anchors"] == 1
+    assert engine.stats()["reuse"]["kvcomm"]["hits"] == 1 and engine.stats()["reuse"]["kvcomm"]["anchors"] == 1
     assert kl(ref.logits[0], again.logits[0]) < 1e-4
 
     rev = await run(engine, "reviewer", prompt("reviewer", 2), "kvcomm")
     assert rev.usage.reused_tokens == 0 and rev.usage.recomputed_tokens > task_len   # two new placeholders
-    assert engine.stats()["anchors"] == 3
+    assert engine.stats()["reuse"]["kvcomm"]["anchors"] == 3
 
     # A later conversation with a similar task: the coder's anchor for message 1 serves it.
     similar = [{"role": "user", "content": TASK.replace("descending", "ascending")}]
     await run(engine, "planner", prompt("planner", 0, similar), "kvcomm")
     ref2 = await exact(engine, prompt("coder", 0, similar))
-    hits = engine.stats()["anchor_hits"]
+    hits = engine.stats()["reuse"]["kvcomm"]["hits"]
     out = await run(engine, "coder", prompt("coder", 0, similar), "kvcomm")
     assert out.usage.reused_tokens == engine.formatter.render(prompt("coder", 0, similar)).segments[1].length
     assert out.usage.recomputed_tokens == 0
-    assert engine.stats()["anchor_hits"] == hits + 1
+    assert engine.stats()["reuse"]["kvcomm"]["hits"] == hits + 1
     assert kl(ref2.logits[0], out.logits[0]) < 0.05
 
     # An unrelated task is not similar enough: dense prefill and a second anchor for (coder, 1).
@@ -156,10 +161,10 @@ async def test_kvcomm_anchors(engine):
     await run(engine, "planner", prompt("planner", 0, other), "kvcomm")
     far = await run(engine, "coder", prompt("coder", 0, other), "kvcomm")
     assert far.usage.recomputed_tokens > 0 and far.usage.reused_tokens == 0
-    assert len(engine.corrector.anchors._pools[("coder", 1)]) == 2
+    assert len(engine.methods["kvcomm"].pool._pools[("coder", 1)]) == 2
     stats = await settle(engine)
-    assert stats["blocks_in_use"] == len(engine.scheduler.segments.home_blocks)   # copies freed
-    assert stats["kv_bytes_total"] == stats["kv_bytes"] + stats["anchor_bytes"]
+    assert stats["memory"]["blocks_in_use"] == len(engine.segments.home_blocks)   # copies freed
+    assert stats["memory"]["total_bytes"] == stats["memory"]["kv_bytes"] + stats["reuse"]["kvcomm"]["anchor_bytes"]
 
 
 def test_anchor_pool_matches_interpolates_and_evicts():
@@ -190,10 +195,18 @@ def test_anchor_pool_matches_interpolates_and_evicts():
 def test_baseline_knobs_are_checked():
     with pytest.raises(ValueError, match="reuse must be one of"):
         ReuseOptions(reuse="blend").validate()
-    for bad in ({"blend_ratio": 1.5}, {"kvcomm_anchors": 0}, {"kvcomm_anchors": 2.5}, {"kvcomm_threshold": 0.0}):
-        with pytest.raises(ValueError, match=next(iter(bad))):
-            EngineConfig(**bad)
-    cfg = EngineConfig(reuse="cacheblend", blend_ratio=0.2)
+    for bad in (CacheBlendConfig(0.5), KVCommConfig(anchors=3)):
+        with pytest.raises(ValueError, match="must be a"):          # another method's settings
+            EngineConfig(baselines={"cacheblend" if isinstance(bad, KVCommConfig) else "kvcomm": bad})
+    with pytest.raises(ValueError, match="reuse must be one of"):
+        EngineConfig(baselines={"blend": CacheBlendConfig()})
+    for make, field in ((lambda: CacheBlendConfig(ratio=1.5), "ratio"), (lambda: KVCommConfig(anchors=0), "anchors"),
+                        (lambda: KVCommConfig(anchors=2.5), "anchors"), (lambda: KVCommConfig(threshold=0.0),
+                                                                         "threshold")):
+        with pytest.raises(ValueError, match=field):
+            make()
+    cfg = EngineConfig(reuse="cacheblend", baselines={"cacheblend": CacheBlendConfig(ratio=0.2)})
     assert ReuseOptions().resolve(cfg).recompute_ratio == 0.2
     assert ReuseOptions(recompute_ratio=0.4).resolve(cfg).recompute_ratio == 0.4
-    assert ReuseOptions(reuse="kvcmas").resolve(cfg).recompute_ratio == cfg.recompute_ratio
+    assert ReuseOptions(reuse="kvcmas").resolve(cfg).recompute_ratio == cfg.kvcmas.recompute_ratio
+    assert ReuseOptions().resolve(EngineConfig(reuse="cacheblend")).recompute_ratio == 0.15

@@ -8,11 +8,12 @@ import torch
 
 from kvcmas_agents import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.engine import ReuseOptions
-from kvcmas_agents.engine.correction import UNCORRECTED_LAYERS
-from kvcmas_agents.engine.lowrank import unique_nbytes
+from kvcmas_agents.reuse.kvcmas.correction import UNCORRECTED_LAYERS
+from kvcmas_agents.reuse.storage.lowrank import unique_nbytes
 from kvcmas_agents.fidelity import CSV_SYSTEM as SYSTEM
 from kvcmas_agents.fidelity import CSV_TASK as TASK
 from kvcmas_agents.fidelity import kl
+from kvcmas_agents import KVCMASConfig, StorageSpec
 
 FIRST = SamplingParams(max_tokens=1, return_logits=True)
 
@@ -74,7 +75,7 @@ async def test_full_recompute_equals_exact(engine):
                                  reuse_options=ReuseOptions(reuse="kvcmas", recompute_ratio=1.0))
     assert full.usage.recomputed_tokens == full.usage.reused_tokens > 0
     assert full.token_ids == exact.token_ids
-    mine = [c.own for c in engine.scheduler.segments._corrections.values() if c.agent == "r1"]
+    mine = [c.own for c in engine.segments._corrections.values() if c.agent == "r1"]
     assert mine and all(s.first_layer == 0 for s in mine)     # ratio 1.0 stores every layer: it stays exact
     assert torch.allclose(full.logits[0], exact.logits[0], atol=2e-3)
 
@@ -90,9 +91,9 @@ async def test_corrections_persist_across_turns(engine):
     assert again.usage.reused_tokens + again.usage.cached_tokens >= first.usage.reused_tokens
     assert torch.allclose(first.logits[0], again.logits[0], atol=1e-4)
     stats = engine.stats()
-    assert stats["corrections"] > 0 and stats["correction_bytes"] > 0
-    assert 0 < stats["correction_basis_bytes"] < stats["correction_bytes"]
-    assert stats["correction_bytes_by_agent"]["c2"] > 0
+    assert stats["reuse"]["kvcmas"]["corrections"] > 0 and stats["reuse"]["kvcmas"]["correction_bytes"] > 0
+    assert 0 < stats["reuse"]["kvcmas"]["correction_basis_bytes"] < stats["reuse"]["kvcmas"]["correction_bytes"]
+    assert stats["reuse"]["kvcmas"]["correction_bytes_by_agent"]["c2"] > 0
 
 
 async def test_chain_reference_composes(engine):
@@ -105,8 +106,8 @@ async def test_chain_reference_composes(engine):
         out = await engine.generate(prompt("reviewer", history), agent="r3", sampling=FIRST, reuse_options=opts)
         exact = await engine.generate(prompt("reviewer", history), agent="r3x", sampling=FIRST,
                                       reuse_options=ReuseOptions(reuse="none"))
-        chains = [c for (a, _, _, _), c in engine.scheduler.segments._corrections.items() if a == "r3"]
-        preds = [c for (a, _, _, _), c in engine.scheduler.segments._corrections.items() if a == "c3"]
+        chains = [c for (a, _, _, _), c in engine.segments._corrections.items() if a == "r3"]
+        preds = [c for (a, _, _, _), c in engine.segments._corrections.items() if a == "c3"]
         # r3's view = c3's chain (rotated to r3's positions) + r3's own delta.
         assert chains and all(c.reference == "chain" for c in chains)
         assert max(len(c.chain) for c in chains) == max(len(c.chain) for c in preds) + 1
@@ -125,8 +126,8 @@ async def test_kv_returns_to_home_view_baseline(engine):
     while engine.scheduler.has_work():
         await asyncio.sleep(0.02)
     stats = engine.stats()
-    assert stats["blocks_in_use"] == len(engine.scheduler.segments.home_blocks)
-    assert stats["kv_bytes"] == stats["home_view_bytes"] + stats["kv_bytes_cached"]
+    assert stats["memory"]["blocks_in_use"] == len(engine.segments.home_blocks)
+    assert stats["memory"]["kv_bytes"] == stats["memory"]["home_view_bytes"] + stats["memory"]["kv_bytes_cached"]
 
 
 async def test_home_views_pack_their_partial_blocks_and_serve_the_same_kv():
@@ -134,9 +135,9 @@ async def test_home_views_pack_their_partial_blocks_and_serve_the_same_kv():
     engine/home_pack.py), and a later agent's result is the same as with every partial block held."""
     held, outs = {}, {}
     for pack in (True, False):
-        eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
+        eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
         if not pack:
-            eng.scheduler.segments.packer.can_allocate = lambda: False     # hold partial blocks in place
+            eng.segments.packer.can_allocate = lambda: False     # hold partial blocks in place
         try:
             history = [{"role": "user", "content": TASK}]
             for agent in ("planner", "coder"):
@@ -146,11 +147,12 @@ async def test_home_views_pack_their_partial_blocks_and_serve_the_same_kv():
             held[pack] = eng.stats()
         finally:
             eng.close()
-    bs, block = held[True]["block_size"], held[True]["block_bytes"]
-    assert held[True]["home_view_tokens"] == held[False]["home_view_tokens"]
-    assert held[True]["home_view_bytes"] <= (held[True]["home_view_tokens"] // bs + 1) * block
-    assert held[True]["home_view_bytes"] < held[False]["home_view_bytes"]
-    assert held[True]["blocks_in_use"] < held[False]["blocks_in_use"]
+    bs, block = held[True]["engine"]["block_size"], held[True]["memory"]["block_bytes"]
+    homes = {pack: held[pack]["reuse"]["home_views"] for pack in held}
+    assert homes[True]["tokens"] == homes[False]["tokens"]
+    assert homes[True]["bytes"] <= (homes[True]["tokens"] // bs + 1) * block
+    assert homes[True]["bytes"] < homes[False]["bytes"]
+    assert held[True]["memory"]["blocks_in_use"] < held[False]["memory"]["blocks_in_use"]
     assert torch.equal(outs[True].logits[0], outs[False].logits[0])
 
 
@@ -211,7 +213,7 @@ async def test_a_reply_is_reused_from_its_generating_agents_decode(engine):
         history = [{"role": "user", "content": TASK}]
         reply = await ours.generate(prompt("planner", history), agent="planner",
                                     sampling=SamplingParams(max_tokens=24, ignore_eos=True))
-        assert ours.stats()["home_views"] >= 3              # system, task, and the decoded reply
+        assert ours.stats()["reuse"]["home_views"]["count"] >= 3              # system, task, and the decoded reply
         seen = history + [{"role": "user", "content": f"[planner]\n{reply.text}"}]
         other = history + [{"role": "user", "content": f"[planner]\nNote: {reply.text}"}]   # no whole match
         got = await ours.generate(prompt("coder", seen), agent="coder", sampling=FIRST)
@@ -227,15 +229,15 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
     """The role header and trailer around a decoded reply are new text for the first agent that renders
     the message; they become home views, so later agents reuse and correct them instead of recomputing
     every message's frame on every turn."""
-    ours = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
+    ours = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
     try:
         history = [{"role": "user", "content": TASK}]
         reply = await ours.generate(prompt("planner", history), agent="planner",
                                     sampling=SamplingParams(max_tokens=24, ignore_eos=True))
         seen = history + [{"role": "user", "content": f"[planner]\n{reply.text}"}]
-        homes = ours.stats()["home_views"]
+        homes = ours.stats()["reuse"]["home_views"]["count"]
         first = await ours.generate(prompt("coder", seen), agent="coder", sampling=FIRST)
-        assert ours.stats()["home_views"] >= homes + 2          # the header and the trailer
+        assert ours.stats()["reuse"]["home_views"]["count"] >= homes + 2          # the header and the trailer
         later = await ours.generate(prompt("reviewer", seen), agent="reviewer", sampling=FIRST)
         assert later.usage.reused_tokens > first.usage.reused_tokens
         # Frames are recomputed whole when an agent first corrects them (they were new text before),
@@ -261,31 +263,32 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
     factors = {"small_rows": False}
-    int8 = {"correction_dtype": "int8", "u8_components": None, "u_head_bits": 8}   # before 4-bit tails
+    int8 = {"dtype": "int8", "u8_components": None, "u_head_bits": 8}   # before 4-bit tails
     kinds = {"int8": {**int8, **factors}, "value_rows": {"value_bits": 4, **int8, **factors},
              "key_rows": {"key_bits": 4, "value_bits": 4, **int8},
-             "int8_basis": {**int8, "correction_dtype": "int8_basis", **factors},
-             "lean": {**factors, "u_head_bits": 8}, "bfloat16": {"correction_dtype": "bfloat16"},
-             "float32": {"correction_dtype": "float32"}, "small_rows": {**int8, "small_row_bits": 8},
+             "int8_basis": {**int8, "dtype": "int8_basis", **factors},
+             "lean": {**factors, "u_head_bits": 8}, "bfloat16": {"dtype": "bfloat16"},
+             "float32": {"dtype": "float32"}, "small_rows": {**int8, "small_row_bits": 8},
              "small_rows6": int8, "head6": factors}
-    assert (EngineConfig().correction_dtype, EngineConfig().value_bits, EngineConfig().key_bits,
-            EngineConfig().small_rows, EngineConfig().small_row_bits,
-            EngineConfig().u8_components, EngineConfig().u_head_bits) == ("int8_basis", 0, 0, True, 6, 28, 6)
+    spec = EngineConfig().kvcmas.storage
+    assert (spec.dtype, spec.value_bits, spec.key_bits, spec.small_rows, spec.small_row_bits, spec.u8_components,
+            spec.u_head_bits) == ("int8_basis", 0, 0, True, 6, 28, 6)
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="u8_components"):
-            EngineConfig(u8_components=bad)
+            EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(u8_components=bad)))
     for bad in (0, 5, 7, True):
         with pytest.raises(ValueError, match="small_row_bits"):
-            EngineConfig(small_row_bits=bad)
+            EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(small_row_bits=bad)))
     for bad in (0, 4, 7, True):
         with pytest.raises(ValueError, match="u_head_bits"):
-            EngineConfig(u_head_bits=bad)
+            EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(u_head_bits=bad)))
     for kind, knobs in kinds.items():
-        eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, uncorrected_energy=0.0, **knobs))
+        storage = StorageSpec(uncorrected_energy=0.0, **knobs)
+        eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, storage=storage)))
         try:
             await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
             outs[kind] = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
-            states[kind] = [c.own for c in eng.scheduler.segments._corrections.values()]
+            states[kind] = [c.own for c in eng.segments._corrections.values()]
             assert outs[kind].usage.recomputed_tokens > 0
             if kind == "int8":               # the same reuse, uncorrected
                 outs["naive"] = await eng.generate(prompt("coder", history), agent="c-naive", sampling=FIRST,
@@ -336,11 +339,12 @@ async def test_the_newest_reused_message_is_recomputed_whole(engine):
     history = await conversation(engine, turns=3)
     newest = {}
     for on in (True, False):
-        eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, recompute_newest=on, recompute_ratio=0.25))
+        eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, recompute_newest=on,
+                                                                      recompute_ratio=0.25)))
         try:
             await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
             out = await eng.generate(prompt("coder", history), agent="coder", sampling=FIRST)
-            corrs = [(key[1], c) for key, c in eng.scheduler.segments._corrections.items() if c.agent == "coder"]
+            corrs = [(key[1], c) for key, c in eng.segments._corrections.items() if c.agent == "coder"]
             tokens, last = max(corrs, key=lambda kc: kc[1].start)
             newest[on] = (last.recomputed, len(tokens), out.usage.recomputed_tokens)   # stored or not
         finally:
@@ -354,18 +358,18 @@ async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection
     """A later agent whose own tail is a long new message (a tool's output): the selection pass runs
     only the prompt's last SELECT_MAX tokens, not a second pass over the whole tail, and the request
     still corrects its reused rows close to exact."""
-    from kvcmas_agents.engine import correction
+    from kvcmas_agents.reuse.kvcmas import select
 
     history = await conversation(engine, turns=2)
     log = "\n".join(f"Log {i}: worker w{i % 5} processed batch b{i} in {10 + i % 37} ms, status ok."
                     for i in range(60))
     later = history + [{"role": "user", "content": "Tool output:\n" + log}]
-    eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
+    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
     try:
         await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
         out = await eng.generate(prompt("coder", later), agent="coder", sampling=FIRST)
-        assert out.usage.prompt_tokens - out.usage.reused_tokens > 2 * correction.SELECT_MAX
-        assert selection_queries == [correction.SELECT_MAX] and eng.stats()["selections_capped"] == 1
+        assert out.usage.prompt_tokens - out.usage.reused_tokens > 2 * select.SELECT_MAX
+        assert selection_queries == [select.SELECT_MAX] and eng.stats()["reuse"]["kvcmas"]["selections_capped"] == 1
         assert 0 < out.usage.recomputed_tokens < out.usage.reused_tokens
     finally:
         eng.close()
@@ -377,7 +381,7 @@ async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection
 async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole():
     """A reply followed by a short hand-off line: no prefetch could correct that reply (it was not
     decoded yet), so it is recomputed whole along with the hand-off; older messages keep the ratio."""
-    ours = Engine(EngineConfig(reuse="kvcmas", prefetch=False, recompute_ratio=0.25))
+    ours = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, recompute_ratio=0.25)))
     try:
         history = [{"role": "user", "content": TASK}]
         reply = await ours.generate(prompt("planner", history), agent="planner",
@@ -386,7 +390,7 @@ async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole()
                           {"role": "user", "content": "Coder, your turn: write the function now."}]
         await ours.generate(prompt("reviewer", seen), agent="reviewer", sampling=FIRST)   # homes the hand-off
         await ours.generate(prompt("coder", seen), agent="coder", sampling=FIRST)
-        segments = ours.scheduler.segments
+        segments = ours.segments
         mine = sorted((c.start, segments.lookup(key[1]).decoded, c.recomputed, len(key[1]))
                       for key, c in segments._corrections.items() if c.agent == "coder")
         task, handoff = mine[0], mine[-1]
@@ -398,19 +402,19 @@ async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole()
         await ours.aclose()
 
 
-async def coder_turns(exact_engine: Engine, history: list[dict], later: list[dict], check: bool, **knobs):
-    """A kvcmas engine with ``knobs``: the planner's turn, then the coder's over ``history`` and over
+async def coder_turns(exact_engine: Engine, history: list[dict], later: list[dict], check: bool, **storage):
+    """A kvcmas engine with ``storage`` knobs: the planner's turn, then the coder's over ``history`` and over
     ``later``. Returns (stats, coder's first output, its second, the held states); ``check`` asserts
     the second is closer to exact than naive reuse."""
     opts = ReuseOptions(reuse="kvcmas")
-    eng = Engine(EngineConfig(reuse="kvcmas", prefetch=False, **knobs))
+    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, storage=StorageSpec(**storage))))
     try:
         await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
         first = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
         again = await eng.generate(prompt("coder", later), agent="c", sampling=FIRST, reuse_options=opts)
         if check:
             await assert_closer_than_naive(exact_engine, eng, prompt("coder", later), again)
-        return eng.stats(), first, again, [c.own for c in eng.scheduler.segments._corrections.values()]
+        return eng.stats()["reuse"]["kvcmas"], first, again, [c.own for c in eng.segments._corrections.values()]
     finally:
         eng.close()
 
@@ -421,20 +425,20 @@ async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine)
     recomputed, and an agent reusing its stored corrections next turn stays much closer to exact."""
     history = await conversation(engine, turns=2)
     later = history + [{"role": "user", "content": "[reviewer] Please also handle quoted fields."}]
-    assert EngineConfig().correction_energy == 1.0
+    assert EngineConfig().kvcmas.storage.correction_energy == 1.0
     default = 0.95
     stats, outs = {}, {}
     for energy in (1.0, default):
         stats[energy], *outs[energy], _ = await coder_turns(engine, history, later, energy < 1.0,
                                                             correction_energy=energy)
-    assert stats[1.0]["correction_rows_dropped"] == 0 < stats[default]["correction_rows_dropped"]
+    assert stats[1.0]["rows_dropped"] == 0 < stats[default]["rows_dropped"]
     assert stats[default]["correction_bytes"] < stats[1.0]["correction_bytes"]
     assert outs[default][0].usage.recomputed_tokens == outs[1.0][0].usage.recomputed_tokens > 0
     exact = await engine.generate(prompt("coder", later), agent="exact", sampling=FIRST,
                                   reuse_options=ReuseOptions(reuse="none"))
     assert kl(exact.logits[0], outs[default][1].logits[0]) < 0.01
     with pytest.raises(ValueError, match="correction_energy"):
-        EngineConfig(correction_energy=0.0)
+        EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(correction_energy=0.0)))
 
 
 async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
@@ -444,7 +448,7 @@ async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
     exact."""
     history = await conversation(engine, turns=2)
     later = history + [{"role": "user", "content": "[reviewer] Please also handle quoted fields."}]
-    default = EngineConfig().uncorrected_energy
+    default = EngineConfig().kvcmas.storage.uncorrected_energy
     assert default == 0.01
     stats, outs, firsts = {}, {}, {}
     for share in (0.0, default):
@@ -452,20 +456,20 @@ async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
                                                              uncorrected_energy=share)
         firsts[share] = {s.first_layer for s in held}
     assert firsts[0.0] == {UNCORRECTED_LAYERS} and min(firsts[default]) > UNCORRECTED_LAYERS
-    assert stats[0.0]["correction_layers_dropped"] == 0 < stats[default]["correction_layers_dropped"]
-    assert stats[default]["uncorrected_energy"] == default
+    assert stats[0.0]["layers_dropped"] == 0 < stats[default]["layers_dropped"]
+    assert stats[default]["settings"]["storage"]["uncorrected_energy"] == default
     assert stats[default]["correction_bytes"] < stats[0.0]["correction_bytes"]
     assert outs[default][0].usage.recomputed_tokens == outs[0.0][0].usage.recomputed_tokens > 0
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="uncorrected_energy"):
-            EngineConfig(uncorrected_energy=bad)
+            EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(uncorrected_energy=bad)))
 
 
 @pytest.mark.parametrize("name", ["value_bits", "key_bits"])
 @pytest.mark.parametrize("bad", [3, 16, True, -4])
 def test_row_bits_outside_0_4_8_are_refused(name, bad):
     with pytest.raises(ValueError, match=name):
-        EngineConfig(**{name: bad})
+        StorageSpec(**{name: bad})
 
 
 async def test_concurrent_siblings_compute_their_shared_new_text_and_prefill_together():

@@ -8,6 +8,7 @@ from kvcmas_agents.engine import ReuseOptions
 from kvcmas_agents.fidelity import CSV_SYSTEM as SYSTEM
 from kvcmas_agents.fidelity import CSV_TASK as TASK
 from kvcmas_agents.fidelity import kl
+from kvcmas_agents import KVCMASConfig
 
 FIRST = SamplingParams(max_tokens=1, return_logits=True)
 EDGES = [("planner", "coder"), ("coder", "reviewer")]
@@ -47,7 +48,7 @@ async def play(engine: Engine, rounds: list[list[list[dict]]], sampling=FIRST) -
 
 
 async def test_successors_corrections_are_computed_ahead_and_used(histories):
-    plain = Engine(EngineConfig(reuse="kvcmas", prefetch=False))
+    plain = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
     ahead = Engine(EngineConfig(reuse="kvcmas"))
     naive = Engine(EngineConfig(reuse="naive"))
     exact = Engine(EngineConfig(reuse="none"))
@@ -56,8 +57,8 @@ async def test_successors_corrections_are_computed_ahead_and_used(histories):
             e.set_edges(EDGES)
         base, pre, ref = await play(plain, histories), await play(ahead, histories), await play(exact, histories)
         floor = await play(naive, histories)
-        stats = ahead.stats()["prefetch"]
-        assert plain.stats()["prefetch"] is None
+        stats = ahead.stats()["reuse"]["kvcmas"]["prefetch"]
+        assert plain.stats()["reuse"]["kvcmas"]["prefetch"] is None
         # Round 2's coder and reviewer find their shared segments already corrected by the prefetch.
         assert stats["corrections"] >= 2 and stats["failed"] == 0 and stats["recomputed_tokens"] > 0
         for i in (4, 5):
@@ -71,7 +72,7 @@ async def test_successors_corrections_are_computed_ahead_and_used(histories):
         worst = [kl(ref[i].logits[0], floor[i].logits[0]) for i in (3, 4, 5)]
         assert sum(ours) < sum(worst) and max(ours) < 0.05, (ours, worst)
         # Prefetch requests hold no KV afterwards: only home views stay referenced, as without prefetch.
-        assert ahead.stats()["blocks_in_use"] == plain.stats()["blocks_in_use"] > 0
+        assert ahead.stats()["memory"]["blocks_in_use"] == plain.stats()["memory"]["blocks_in_use"] > 0
     finally:
         for e in (plain, ahead, naive, exact):
             await e.aclose()
@@ -81,7 +82,7 @@ async def test_no_edges_no_prefetch(histories):
     engine = Engine(EngineConfig(reuse="kvcmas"))
     try:
         await play(engine, histories[:1])
-        assert engine.stats()["prefetch"]["queued"] == 0
+        assert engine.stats()["reuse"]["kvcmas"]["prefetch"]["queued"] == 0
     finally:
         await engine.aclose()
 
@@ -89,21 +90,22 @@ async def test_no_edges_no_prefetch(histories):
 async def test_a_failing_prefetch_only_costs_the_optimisation(histories, monkeypatch):
     engine = Engine(EngineConfig(reuse="kvcmas"))
     engine.set_edges(EDGES)
-    real = engine.corrector.correct
+    real = engine.methods["kvcmas"].corrector.correct
 
     def broken(req):
         if req.request_id.startswith("prefetch-"):
             raise RuntimeError("injected")
         return real(req)
 
-    monkeypatch.setattr(engine.corrector, "correct", broken)
+    monkeypatch.setattr(engine.methods["kvcmas"].corrector, "correct", broken)
     try:
         outs = await play(engine, histories)
         stats = engine.stats()
-        assert stats["prefetch"]["failed"] >= 2 and stats["prefetch"]["corrections"] == 0
+        prefetch = stats["reuse"]["kvcmas"]["prefetch"]
+        assert prefetch["failed"] >= 2 and prefetch["corrections"] == 0
         assert all(o.finish_reason in ("stop", "length") for o in outs)
         assert outs[4].usage.recomputed_tokens > 0        # corrected inline instead
-        assert stats["failed"] == 0 and stats["num_running"] == 0
+        assert stats["counters"]["failed"] == 0 and stats["counters"]["num_running"] == 0
     finally:
         await engine.aclose()
 
@@ -120,7 +122,7 @@ async def test_a_wrong_prediction_is_never_used(histories):
         altered = [{"role": "user", "content": "A different task: sort a list."}] + round2[1][1:]
         out = await engine.generate(prompt("coder", altered), agent="coder", sampling=FIRST)
         assert out.usage.recomputed_tokens > 0
-        assert engine.stats()["prefetch"]["corrections"] >= 1
+        assert engine.stats()["reuse"]["kvcmas"]["prefetch"]["corrections"] >= 1
     finally:
         await engine.aclose()
 
@@ -134,13 +136,13 @@ async def test_declared_agents_get_first_contact_corrections_ahead(histories):
             e.set_edges(EDGES)
         sizes = [declared.declare_agent(agent, SYSTEM[agent]) for agent in SYSTEM]
         stats = declared.stats()
-        assert all(n > 0 for n in sizes) and stats["declared"] == 3 and stats["requests"] == 0
+        assert all(n > 0 for n in sizes) and stats["counters"]["declared"] == 3 and stats["counters"]["requests"] == 0
         # Only the declared prefixes' home views hold KV: the side requests freed the rest.
-        assert stats["blocks_in_use"] == len(declared.scheduler.segments.home_blocks) > 0
+        assert stats["memory"]["blocks_in_use"] == len(declared.segments.home_blocks) > 0
         base, pre = await play(plain, histories[:1]), await play(declared, histories[:1])
         ref = await play(exact, histories[:1])
         assert [o.usage.cached_tokens for o in pre] == sizes and all(o.usage.cached_tokens == 0 for o in base)
-        by_agent = declared.stats()["prefetch"]["by_agent"]
+        by_agent = declared.stats()["reuse"]["kvcmas"]["prefetch"]["by_agent"]
         assert by_agent.get("coder") == by_agent.get("reviewer") == 1
         for i in (1, 2):
             assert pre[i].usage.reused_tokens == base[i].usage.reused_tokens > 0
@@ -149,7 +151,7 @@ async def test_declared_agents_get_first_contact_corrections_ahead(histories):
         ours = sum(kl(ref[i].logits[0], pre[i].logits[0]) for i in (1, 2))
         inline = sum(kl(ref[i].logits[0], base[i].logits[0]) for i in (1, 2))
         assert ours <= inline * 1.5 and ours < 0.05, (ours, inline)
-        assert declared.stats()["requests"] == 3 and set(declared.stats()["agents"]) == set(SYSTEM)
+        assert declared.stats()["counters"]["requests"] == 3 and set(declared.stats()["agents"]) == set(SYSTEM)
     finally:
         for e in (plain, declared, exact):
             await e.aclose()
@@ -180,13 +182,14 @@ async def test_declare_agent_rejects_bad_input_and_reports_failures(monkeypatch)
                                     sampling=SamplingParams(max_tokens=4))
         stats = engine.stats()
         assert out.finish_reason in ("stop", "length") and out.usage.cached_tokens == 0
-        assert stats["declare_failed"] == 1 and stats["declared"] == 0 and stats["failed"] == 0
-        assert stats["num_running"] == 0
+        counters = stats["counters"]
+        assert counters["declare_failed"] == 1 and counters["declared"] == 0 and counters["failed"] == 0
+        assert stats["counters"]["num_running"] == 0
     finally:
         await engine.aclose()
     none = Engine(EngineConfig(reuse="none"))
     try:
-        assert none.declare_agent("planner", SYSTEM["planner"]) == 0 and none.stats()["declared"] == 0
+        assert none.declare_agent("planner", SYSTEM["planner"]) == 0 and none.stats()["counters"]["declared"] == 0
     finally:
         await none.aclose()
 
@@ -195,7 +198,7 @@ async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_q
     """A pasted document as the newest shared message: the prefetch selects rows by the attention of
     the prompt's last SELECT_MAX tokens, not of the whole document, and the successor still gets its
     correction ahead of time."""
-    from kvcmas_agents.engine import correction
+    from kvcmas_agents.reuse.kvcmas import select
 
     doc = "\n".join(f"Step {i}: the service svc_{i} reads queue q{i % 7}, checks amount_{i} against "
                     f"limit {100 + 17 * i} and retries {1 + i % 3} times." for i in range(40))
@@ -206,14 +209,14 @@ async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_q
         for agent in ("planner", "coder"):
             engine.declare_agent(agent, SYSTEM[agent])
         first = await engine.generate(prompt("planner", shared), agent="planner", sampling=SamplingParams(max_tokens=8))
-        assert first.usage.prompt_tokens > 2 * correction.SELECT_MAX
+        assert first.usage.prompt_tokens > 2 * select.SELECT_MAX
         later = shared + [{"role": "user", "content": f"[planner] {first.text}"}]
         out = await engine.generate(prompt("coder", later), agent="coder", sampling=FIRST)
         ref = await exact.generate(prompt("coder", later), agent="coder", sampling=FIRST)
         stats = engine.stats()
-        assert stats["prefetch"]["corrections"] == stats["selections_capped"] == 1
-        assert selection_queries[0] == correction.SELECT_MAX
-        assert all(q <= correction.SELECT_MAX for q in selection_queries)
+        assert stats["reuse"]["kvcmas"]["prefetch"]["corrections"] == stats["reuse"]["kvcmas"]["selections_capped"] == 1
+        assert selection_queries[0] == select.SELECT_MAX
+        assert all(q <= select.SELECT_MAX for q in selection_queries)
         # The document was corrected ahead of time: nothing of it is recomputed inline.
         assert out.usage.reused_tokens > first.usage.prompt_tokens // 2
         assert out.usage.recomputed_tokens < len(first.token_ids) + 32

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.code_features import code_map, features
-from kvcmas_agents.engine.lowrank import Coeffs, _plain, compress, compress_joint
-from kvcmas_agents.engine.quant_rows import pack_nibbles, pack_sixes
+from kvcmas_agents.reuse.storage.code_features import code_map, features
+from kvcmas_agents.reuse.storage.lowrank import Coeffs, _plain, compress, compress_joint
+from kvcmas_agents.reuse.storage.quant_rows import pack_nibbles, pack_sixes
+from kvcmas_agents.reuse.storage.lowrank import Format
 
 
 @pytest.mark.parametrize("lead, tail, head", [(28, 12, 6), (12, 0, 6), (8, 4, 8), (40, 8, 0), (4, 2, 8)])
@@ -37,14 +38,14 @@ def test_coeffs_features_of_joined_states():
     torch.manual_seed(1)
     rows = [torch.arange(9), torch.arange(14)]
     dks = [torch.randn(4, 3, r.numel(), 64) * 0.1 for r in rows]
-    states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 16, torch.int8, int8_basis=True, u8=8,
-                            head_bits=6, first_layer=1)
+    states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 16, Format(torch.int8, int8_basis=True, u8=8,
+                                                                             head_bits=6), first_layer=1)
     us = [s.key_coeffs() for s in states]
     f, m = Coeffs.features(us, 2)
     assert torch.equal(f @ m, Coeffs.joined(us, 2))
     assert Coeffs.features(us, 0) is None                   # a layer the states leave out
-    eight = compress(dks[0], dks[0], rows[0], 16, torch.int8)            # 8-bit codes: one cast already
-    rowq = compress(dks[0], dks[0], rows[0], 16, torch.int8, key_bits=6, value_bits=6)
+    eight = compress(dks[0], dks[0], rows[0], 16, Format(torch.int8))            # 8-bit codes: one cast already
+    rowq = compress(dks[0], dks[0], rows[0], 16, Format(torch.int8, key_bits=6, value_bits=6))
     assert Coeffs.features([eight.key_coeffs()], 1) is None
     assert Coeffs.features([rowq.key_coeffs()], 1) is None
     assert Coeffs.features([us[0], eight.key_coeffs()], 2) is None      # not stored alike

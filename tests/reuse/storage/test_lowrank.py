@@ -6,7 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcmas_agents.engine.lowrank import (Basis, Coeffs, LowRankDelta, apply_to, captured_energy, compose, compress,
+from kvcmas_agents.reuse.storage.lowrank import (Basis, Coeffs, Format, LowRankDelta, apply_to, captured_energy,
+                                                 compose,
+                                                 compress,
                                           compress_joint, faint_layers, layer_energy, rows_are_smaller, strongest_rows,
                                           unique_nbytes)
 
@@ -76,7 +78,7 @@ def test_nbytes_is_exact():
     assert state.uk.dtype == torch.float16
     expected = 12 * 8 + 2 * (L * KVH * 12 * 5 * 2) + 2 * (L * KVH * 5 * D * 2)
     assert state.nbytes == expected
-    wide = compress(dk, dv, torch.arange(12), rank=5, dtype=torch.float32)
+    wide = compress(dk, dv, torch.arange(12), rank=5, fmt=Format(torch.float32))
     assert wide.nbytes == 12 * 8 + 2 * (expected - 12 * 8)
     assert compress(dk, dv, torch.arange(12), rank=0).nbytes == 12 * 8
 
@@ -183,14 +185,14 @@ def test_int8_factors_quantize_u_and_b_per_component_with_one_scale():
     reconstructs the float factors to within the rounding of both."""
     dk, dv = _devs(40, seed=3)
     rows = torch.arange(40)
-    ref = compress(dk, dv, rows, rank=8, dtype=torch.float32)
-    u8 = compress(dk, dv, rows, rank=8, dtype=torch.int8)
+    ref = compress(dk, dv, rows, rank=8, fmt=Format(torch.float32))
+    u8 = compress(dk, dv, rows, rank=8, fmt=Format(torch.int8))
     assert u8.uk.dtype == torch.int8 and u8.bk.dtype == torch.bfloat16 and u8.sk is None
     assert u8.nbytes == rows.nbytes + 2 * (u8.uk.numel() + 2 * u8.bk.numel())
     for layer in range(L):
         for got, want in zip(u8.dense(layer), ref.dense(layer)):
             assert 0 < (got - want).norm() / want.norm() < 0.02
-    q = compress(dk, dv, rows, rank=8, dtype=torch.int8, int8_basis=True)
+    q = compress(dk, dv, rows, rank=8, fmt=Format(torch.int8, int8_basis=True))
     assert {t.dtype for t in (q.uk, q.uv, q.bk, q.bv)} == {torch.int8}
     assert q.sk.shape == q.sv.shape == (L, KVH, 8, 1) and q.sk.dtype == torch.float32
     assert q.uk.abs().amax(dim=-2).min() == 127          # every component uses the full int8 range
@@ -205,7 +207,7 @@ def test_int8_factors_quantize_u_and_b_per_component_with_one_scale():
         LowRankDelta(q.rows, q.uk, q.bk, q.uv, q.bv)      # int8 B without its scales
     # Composing int8 states at a capped rank stays int8; empty rows still work.
     assert compose([q, q], rank=4).uk.dtype == compose([q, q], rank=4).bk.dtype == torch.int8
-    empty = compress(dk[:, :, :0], dv[:, :, :0], torch.zeros(0, dtype=torch.long), rank=8, dtype=torch.int8)
+    empty = compress(dk[:, :, :0], dv[:, :, :0], torch.zeros(0, dtype=torch.long), rank=8, fmt=Format(torch.int8))
     assert empty.num_rows == 0 and empty.uk.dtype == torch.int8
 
 
@@ -250,7 +252,7 @@ def test_value_rows_are_kept_full_rank_without_a_basis(bits):
     (B_v is the identity and holds no bytes); a joint basis splits them per segment."""
     dk, dv = _devs(30)
     rows = torch.arange(0, 60, 2)
-    state = compress(dk, dv, rows, 4, dtype=torch.int8, value_bits=bits)
+    state = compress(dk, dv, rows, 4, Format(torch.int8, value_bits=bits))
     assert state.bv is None and state.value_basis().plain_identity and state.value_coeffs().bits == bits
     assert state.value_coeffs().rank == D and state.key_coeffs().rank == 4 and state.rank == D
     got_v = _dense_all(state)[1]
@@ -260,8 +262,8 @@ def test_value_rows_are_kept_full_rank_without_a_basis(bits):
     k_bytes = L * KVH * 30 * 4 + L * KVH * 4 * D * 2       # int8 U_k, bf16 B_k
     assert state.nbytes == k_bytes + codes + L * KVH * 30 * 2 + rows.numel() * 8
     assert unique_nbytes([state], bases_only=True) == L * KVH * 4 * D * 2
-    parts = compress_joint([dk[:, :, :10], dk[:, :, 10:]], [dv[:, :, :10], dv[:, :, 10:]],
-                           [rows[:10], rows[10:]], 4, torch.int8, value_bits=bits)
+    parts = compress_joint([dk[:, :, :10], dk[:, :, 10:]], [dv[:, :, :10], dv[:, :, 10:]], [rows[:10], rows[10:]], 4,
+                           Format(torch.int8, value_bits=bits))
     assert all(p.bv is None and p.rv.shape[2] == p.num_rows for p in parts)
     assert torch.equal(torch.cat([_dense_all(p)[1] for p in parts], 2), got_v)
     again = compose([state], rank=4)                      # recompressed in the same form
@@ -279,7 +281,7 @@ def test_key_rows_are_kept_full_rank_with_channel_scales(bits):
     dk, dv = _devs(30)
     dk[..., :2] *= 30.0                                  # large channels, as keys have
     rows = torch.arange(0, 60, 2)
-    state = compress(dk, dv, rows, 4, dtype=torch.int8, value_bits=bits, key_bits=bits)
+    state = compress(dk, dv, rows, 4, Format(torch.int8, value_bits=bits, key_bits=bits))
     assert state.bk is None and state.bv is None and state.key_basis().plain_identity
     assert state.key_coeffs().bits == bits and state.ck.shape == (L, KVH, 1, D) and state.cv is None
     got_k, got_v = _dense_all(state)
@@ -289,8 +291,8 @@ def test_key_rows_are_kept_full_rank_with_channel_scales(bits):
     codes = L * KVH * 30 * D * bits // 8
     assert state.nbytes == 2 * (codes + L * KVH * 30 * 2) + L * KVH * D * 2 + rows.numel() * 8
     assert unique_nbytes([state], bases_only=True) == L * KVH * D * 2      # the channel scales
-    parts = compress_joint([dk[:, :, :10], dk[:, :, 10:]], [dv[:, :, :10], dv[:, :, 10:]],
-                           [rows[:10], rows[10:]], 4, torch.int8, value_bits=bits, key_bits=bits)
+    parts = compress_joint([dk[:, :, :10], dk[:, :, 10:]], [dv[:, :, :10], dv[:, :, 10:]], [rows[:10], rows[10:]], 4,
+                           Format(torch.int8, value_bits=bits, key_bits=bits))
     assert parts[0].ck is parts[1].ck and all(p.rk.shape[2] == p.num_rows for p in parts)
     assert torch.equal(torch.cat([_dense_all(p)[0] for p in parts], 2), got_k)
     assert unique_nbytes(parts) == state.nbytes
@@ -306,7 +308,7 @@ def test_key_rows_are_kept_full_rank_with_channel_scales(bits):
 def test_key_rows_with_factored_values():
     """key_bits without value_bits: the values keep their rank-r factors in the requested dtype."""
     dk, dv = _devs(20)
-    state = compress(dk, dv, torch.arange(20), 4, dtype=torch.int8, key_bits=8)
+    state = compress(dk, dv, torch.arange(20), 4, Format(torch.int8, key_bits=8))
     assert state.bk is None and state.uv.dtype == torch.int8 and state.bv.dtype == torch.bfloat16
     again = compose([state], rank=4)
     assert again.uv.dtype == torch.int8 and again.bk is None
@@ -314,12 +316,12 @@ def test_key_rows_with_factored_values():
 
 @pytest.mark.parametrize("knobs", [{}, {"dtype": torch.int8}, {"dtype": torch.int8, "key_bits": 8, "value_bits": 4}])
 def test_a_state_without_its_first_layer_stores_less_and_reads_zeros_there(knobs):
-    from kvcmas_agents.engine.realign import Realigner
+    from kvcmas_agents.reuse.realign import Realigner
 
     dk, dv = _devs(12, seed=5)
     rows = torch.arange(12) * 2
-    whole = compress(dk, dv, rows, 8, **knobs)
-    part = compress(dk, dv, rows, 8, **knobs, first_layer=1)
+    whole = compress(dk, dv, rows, 8, Format(**knobs))
+    part = compress(dk, dv, rows, 8, Format(**knobs), first_layer=1)
     assert (part.first_layer, part.num_layers, part.uk.shape[0]) == (1, L, L - 1)
     assert part.nbytes < whole.nbytes
     k0, v0 = part.dense(0)
@@ -335,7 +337,7 @@ def test_a_state_without_its_first_layer_stores_less_and_reads_zeros_there(knobs
     realigner = Realigner(1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D)))
     settled = realigner.settle(realigner.rotate_delta(part, 3))
     assert settled.first_layer == 1 and settled.bk.shape[0] == L - 1 and not settled.dense(0)[0].any()
-    other = compress(*_devs(12, seed=6), rows, 8, **knobs)
+    other = compress(*_devs(12, seed=6), rows, 8, Format(**knobs))
     exact = compose([part, other])
     lossy = compose([part, other], rank=8)
     assert lossy.first_layer == 0 and exact.first_layer == 0
@@ -355,7 +357,7 @@ def test_a_state_without_its_first_layer_stores_less_and_reads_zeros_there(knobs
 def test_joint_states_drop_the_first_layer_together():
     dks, dvs = zip(*(_devs(n, seed=n) for n in (5, 7)))
     rows = [torch.arange(5), torch.arange(7)]
-    states = compress_joint(list(dks), list(dvs), rows, 6, torch.int8, first_layer=1)
+    states = compress_joint(list(dks), list(dvs), rows, 6, Format(torch.int8), first_layer=1)
     assert all(s.first_layer == 1 and s.uk.shape[0] == L - 1 for s in states)
     assert states[0].bk is states[1].bk and states[0].bk.shape[0] == L - 1
 
@@ -370,7 +372,7 @@ def test_rows_are_smaller_counts_the_bytes_of_both_storages():
     assert not rows_are_smaller(5000, 64, 64, channels=True)     # full rank: int8 U beats rows with scales
     dk, dv = _devs(150, seed=4)
     for storage in ({}, {"int8_basis": True, "u8": 4}):          # cheaper factors do not move the choice
-        state = compress(dk, dv, torch.arange(150), 40, torch.int8, small_rows=True, **storage)
+        state = compress(dk, dv, torch.arange(150), 40, Format(torch.int8, small_rows=True, **storage))
         assert state.bk is None and state.bv is None
 
 
@@ -381,8 +383,8 @@ def test_small_rows_keep_the_rows_of_a_side_whose_factors_would_be_larger():
     dk, dv = _devs(12)
     dk[..., :2] *= 30.0
     rows = torch.arange(12) * 3
-    small = compress(dk, dv, rows, 8, torch.int8, small_rows=True)
-    factored = compress(dk, dv, rows, 8, torch.int8)
+    small = compress(dk, dv, rows, 8, Format(torch.int8, small_rows=True))
+    factored = compress(dk, dv, rows, 8, Format(torch.int8))
     assert small.bk is None and small.bv is None and small.ck is not None and small.cv is None
     assert small.key_coeffs().bits == small.value_coeffs().bits == 8
     assert small.nbytes < factored.nbytes
@@ -392,17 +394,17 @@ def test_small_rows_keep_the_rows_of_a_side_whose_factors_would_be_larger():
         err = ((got - ref).norm() / ref.norm()).item()
         assert err < 0.01 and err < ((fac - ref).norm() / ref.norm()).item() / 4, err
     big_k, big_v = _devs(40, seed=1)
-    big = compress(big_k, big_v, torch.arange(40), 8, torch.int8, small_rows=True)
-    plain = compress(big_k, big_v, torch.arange(40), 8, torch.int8)
+    big = compress(big_k, big_v, torch.arange(40), 8, Format(torch.int8, small_rows=True))
+    plain = compress(big_k, big_v, torch.arange(40), 8, Format(torch.int8))
     assert big.bk is not None and torch.equal(big.uk, plain.uk) and torch.equal(big.bv, plain.bv)
-    assert compress(dk, dv, rows, 8, torch.bfloat16, small_rows=True).bk is not None
-    assert compress(dk, dv, rows, 8, torch.int8, value_bits=4, small_rows=True).value_coeffs().bits == 4
+    assert compress(dk, dv, rows, 8, Format(torch.bfloat16, small_rows=True)).bk is not None
+    assert compress(dk, dv, rows, 8, Format(torch.int8, value_bits=4, small_rows=True)).value_coeffs().bits == 4
     # A joint basis decides on all its segments' rows: two of 12 rows each are factored together
     # (24 rows: 448 bytes of factors against 464 of key rows), though either alone would be rows.
     a, b = _devs(12, seed=2), _devs(12, seed=3)
-    parts = compress_joint([a[0], b[0]], [a[1], b[1]], [rows, rows + 1], 8, torch.int8, small_rows=True)
+    parts = compress_joint([a[0], b[0]], [a[1], b[1]], [rows, rows + 1], 8, Format(torch.int8, small_rows=True))
     assert parts[0].bk is parts[1].bk is not None
-    assert compress_joint([a[0]], [a[1]], [rows], 8, torch.int8, small_rows=True)[0].bk is None
+    assert compress_joint([a[0]], [a[1]], [rows], 8, Format(torch.int8, small_rows=True))[0].bk is None
 
 
 def test_small_rows_in_fewer_bits_keep_the_same_sides_as_rows():
@@ -412,7 +414,7 @@ def test_small_rows_in_fewer_bits_keep_the_same_sides_as_rows():
     dk, dv = _devs(12, seed=5)
     dk[..., :2] *= 30.0
     rows = torch.arange(12) * 2
-    by_bits = {b: compress(dk, dv, rows, 8, torch.int8, first_layer=1, small_rows=True, small_bits=b)
+    by_bits = {b: compress(dk, dv, rows, 8, Format(torch.int8, small_rows=True, small_bits=b), first_layer=1)
                for b in (4, 6, 8)}
     for bits, state in by_bits.items():
         assert state.bk is None and state.bv is None and state.qk == state.qv == bits
@@ -427,12 +429,12 @@ def test_small_rows_in_fewer_bits_keep_the_same_sides_as_rows():
     # States of different bits read together (a view joins every state of a layer).
     both = Coeffs.joined([by_bits[6].key_coeffs(), by_bits[8].key_coeffs()], 2)
     assert torch.equal(both, torch.cat([by_bits[6].key_coeffs().at(2), by_bits[8].key_coeffs().at(2)], dim=1))
-    parts = compress_joint([dk], [dv], [rows], 8, torch.int8, small_rows=True, small_bits=6)
+    parts = compress_joint([dk], [dv], [rows], 8, Format(torch.int8, small_rows=True, small_bits=6))
     assert parts[0].qk == parts[0].qv == 6
     with pytest.raises(ValueError, match="small_bits"):
-        compress(dk, dv, rows, 8, torch.int8, small_rows=True, small_bits=5)
+        compress(dk, dv, rows, 8, Format(torch.int8, small_rows=True, small_bits=5))
     with pytest.raises(ValueError, match="code bits"):
-        replace(compress(dk, dv, rows, 8, torch.int8), qk=6)
+        replace(compress(dk, dv, rows, 8, Format(torch.int8)), qk=6)
 
 
 def _rel_err(state: LowRankDelta, dk: torch.Tensor, dv: torch.Tensor) -> float:
@@ -451,8 +453,8 @@ def test_u8_components_store_the_trailing_components_as_4_bit_codes():
     coef = torch.randn(L, KVH, 64, D, generator=g) * 0.8 ** torch.arange(D)
     dk, dv = coef @ basis.transpose(-1, -2), (coef @ basis.transpose(-1, -2)).flip(-1)
     rows = torch.arange(64) * 2
-    full = compress(dk, dv, rows, 8, torch.int8)
-    tailed = compress(dk, dv, rows, 8, torch.int8, u8=4)
+    full = compress(dk, dv, rows, 8, Format(torch.int8))
+    tailed = compress(dk, dv, rows, 8, Format(torch.int8, u8=4))
     assert (full.tk, tailed.tk, tailed.tv) == (0, 4, 4)
     assert tailed.uk.shape == (L, KVH, 64, 6) and tailed.key_coeffs().rank == tailed.rank == 8
     assert tailed.nbytes == full.nbytes - 2 * L * KVH * 64 * 2
@@ -460,15 +462,16 @@ def test_u8_components_store_the_trailing_components_as_4_bit_codes():
     assert codes.abs().max() == 7 and torch.equal(codes, codes.round())
     assert codes.abs().amax(dim=-2).min() == 7                 # every 4-bit component uses its range
     assert torch.equal(tailed.uk[..., :4], full.uk[..., :4])   # the 8-bit components are untouched
-    assert _rel_err(full, dk, dv) < _rel_err(tailed, dk, dv) < _rel_err(compress(dk, dv, rows, 6, torch.int8), dk, dv)
+    assert _rel_err(full, dk, dv) < _rel_err(tailed, dk, dv) < _rel_err(compress(dk, dv, rows, 6, Format(torch.int8)),
+                                                                        dk, dv)
     # An odd remainder leaves one more component at 8 bits; u8 >= rank stores no 4-bit codes at all.
-    odd = compress(dk, dv, rows, 7, torch.int8, u8=4)
+    odd = compress(dk, dv, rows, 7, Format(torch.int8, u8=4))
     assert odd.tk == 2 and odd.uk.shape[-1] == 6 and odd.rank == 7
-    assert torch.equal(compress(dk, dv, rows, 8, torch.int8, u8=8).uk, full.uk)
-    assert compress(dk, dv, rows, 8, torch.float32, u8=4).tk == 0       # only int8 U has codes
+    assert torch.equal(compress(dk, dv, rows, 8, Format(torch.int8, u8=8)).uk, full.uk)
+    assert compress(dk, dv, rows, 8, Format(torch.float32, u8=4)).tk == 0       # only int8 U has codes
     # With int8 B, in a joint basis, moved, and recompressed: the tail stays what it is.
-    parts = compress_joint([dk[:, :, :30], dk[:, :, 30:]], [dv[:, :, :30], dv[:, :, 30:]],
-                           [rows[:30], rows[30:]], 8, torch.int8, int8_basis=True, u8=4)
+    parts = compress_joint([dk[:, :, :30], dk[:, :, 30:]], [dv[:, :, :30], dv[:, :, 30:]], [rows[:30], rows[30:]], 8,
+                           Format(torch.int8, int8_basis=True, u8=4))
     assert all(p.tk == 4 and p.bk is parts[0].bk and p.bk.dtype == torch.int8 for p in parts)
     joined = Coeffs.joined([p.key_coeffs() for p in parts], 1)
     torch.testing.assert_close(joined, torch.cat([p.key_coeffs().at(1) for p in parts], dim=1), rtol=0, atol=0)
@@ -486,19 +489,19 @@ def test_head_bits_6_packs_the_leading_components_four_to_three_bytes():
     coef = torch.randn(L, KVH, 64, D, generator=g) * 0.8 ** torch.arange(D)
     dk, dv = coef @ basis.transpose(-1, -2), (coef @ basis.transpose(-1, -2)).flip(-1)
     rows = torch.arange(64) * 2
-    eight = compress(dk, dv, rows, 12, torch.int8, int8_basis=True, u8=8)
-    six = compress(dk, dv, rows, 12, torch.int8, int8_basis=True, u8=8, head_bits=6)
+    eight = compress(dk, dv, rows, 12, Format(torch.int8, int8_basis=True, u8=8))
+    six = compress(dk, dv, rows, 12, Format(torch.int8, int8_basis=True, u8=8, head_bits=6))
     assert (eight.hk, six.hk, six.hv, six.tk) == (8, 6, 6, 4)
     assert six.uk.shape == (L, KVH, 64, 6 + 2) and six.rank == six.key_coeffs().rank == 12
     assert eight.nbytes - six.nbytes == 2 * L * KVH * 64 * 2             # 8 -> 6 bytes a row, per side
     codes = six.key_coeffs().at()
     assert torch.equal(codes, codes.round()) and codes[..., :8].abs().amax(dim=-2).min() == 31
     assert torch.equal(codes[..., 8:], eight.key_coeffs().at()[..., 8:])  # the 4-bit tail is untouched
-    four = compress(dk, dv, rows, 12, torch.int8, int8_basis=True, u8=0)  # every component 4-bit
+    four = compress(dk, dv, rows, 12, Format(torch.int8, int8_basis=True, u8=0))  # every component 4-bit
     assert _rel_err(eight, dk, dv) < _rel_err(six, dk, dv) < _rel_err(four, dk, dv)
     # Joined, moved, split over a joint basis and recompressed, the codes keep their bits.
-    parts = compress_joint([dk[:, :, :30], dk[:, :, 30:]], [dv[:, :, :30], dv[:, :, 30:]],
-                           [rows[:30], rows[30:]], 12, torch.int8, int8_basis=True, u8=8, head_bits=6)
+    parts = compress_joint([dk[:, :, :30], dk[:, :, 30:]], [dv[:, :, :30], dv[:, :, 30:]], [rows[:30], rows[30:]], 12,
+                           Format(torch.int8, int8_basis=True, u8=8, head_bits=6))
     assert all(p.hk == p.hv == 6 for p in parts)
     joined = Coeffs.joined([p.value_coeffs() for p in parts], 1)
     torch.testing.assert_close(joined, torch.cat([p.value_coeffs().at(1) for p in parts], dim=1), rtol=0, atol=0)
@@ -506,9 +509,9 @@ def test_head_bits_6_packs_the_leading_components_four_to_three_bytes():
     assert torch.equal(mixed, torch.cat([six.key_coeffs().at(2), eight.key_coeffs().at(2)], dim=1))
     assert six.to("cpu").hk == 6 and compose([six], rank=12).hk == 6
     # 10 leading components do not pack in whole bytes: they keep 8 bits.
-    assert compress(dk, dv, rows, 14, torch.int8, u8=10, head_bits=6).hk == 8
+    assert compress(dk, dv, rows, 14, Format(torch.int8, u8=10, head_bits=6)).hk == 8
     with pytest.raises(ValueError, match="head_bits"):
-        compress(dk, dv, rows, 12, torch.int8, head_bits=4)
+        compress(dk, dv, rows, 12, Format(torch.int8, head_bits=4))
     with pytest.raises(ValueError, match="leading components"):
         replace(eight, hk=6)                                  # 8 int8 columns are not 6-bit codes
 
@@ -520,7 +523,7 @@ def test_joined_reads_states_that_start_at_different_layers(kind):
     dk, dv = _devs(20)
     rows = torch.arange(20)
     knobs = {"u8": 4, "head_bits": 6} if kind == "factors" else {"key_bits": 6, "value_bits": 6}
-    states = [compress(dk, dv, rows, 8, torch.int8, first_layer=f, **knobs) for f in (1, 2, 1)]
+    states = [compress(dk, dv, rows, 8, Format(torch.int8, **knobs), first_layer=f) for f in (1, 2, 1)]
     assert [s.first_layer for s in states] == [1, 2, 1]
     for side in ("key_coeffs", "value_coeffs"):
         us = [getattr(s, side)() for s in states]
@@ -534,17 +537,17 @@ def test_stacked_bases_equal_each_basis_read_alone():
     """Basis.stacked dequantizes and rotates several bases in one go: bitwise what each gives alone, for
     int8 bases with scales (some rotated by a pending shift, some not), bf16 ones, the identity of
     quantized rows, and bases stored differently (read one by one)."""
-    from kvcmas_agents.engine.realign import Realigner
-    from kvcmas_agents.engine.rope import inv_frequencies
+    from kvcmas_agents.reuse.realign import Realigner
+    from kvcmas_agents.model.rope import inv_frequencies
     inv, _ = inv_frequencies(D, 10000.0, None, 4096)
     realigner = Realigner(inv.float())
     dk, dv = _devs(20)
     rows = torch.arange(20)
-    int8 = [compress(dk * (i + 1), dv, rows, 8, torch.int8, int8_basis=True, first_layer=f)
+    int8 = [compress(dk * (i + 1), dv, rows, 8, Format(torch.int8, int8_basis=True), first_layer=f)
             for i, f in enumerate((1, 0, 1))]
     moved = [realigner.rotate_delta(int8[0], 7), int8[1], realigner.rotate_delta(int8[2], -3)]
-    bf16 = [compress(dk, dv, rows, 8, torch.int8), compress(dk * 2, dv, rows, 8, torch.int8)]
-    keyrows = [realigner.rotate_delta(compress(dk, dv, rows, 8, torch.int8, key_bits=6), s) for s in (0, 5)]
+    bf16 = [compress(dk, dv, rows, 8, Format(torch.int8)), compress(dk * 2, dv, rows, 8, Format(torch.int8))]
+    keyrows = [realigner.rotate_delta(compress(dk, dv, rows, 8, Format(torch.int8, key_bits=6)), s) for s in (0, 5)]
     for states in (moved, bf16, keyrows, [moved[0], bf16[1]]):
         bases = [realigner.key_basis(s) for s in states]
         for layer in (1, L - 1):

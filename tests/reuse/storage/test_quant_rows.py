@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.quant_rows import (channel_scale, code_bits, dequantize_rows, normalized, pack_sixes,
+from kvcmas_agents.reuse.storage.quant_rows import (channel_scale, code_bits, dequantize_rows, normalized, pack_sixes,
                                              quantize_rows, row_width, unpack_sixes)
 
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.engine.lowrank import Coeffs, compress, compress_joint
-from kvcmas_agents.engine.realign import Realigner
-from kvcmas_agents.engine.rope import inv_frequencies
-from kvcmas_agents.engine.view_attention import OwnPiece, SegmentPiece, view_attention
-from kvcmas_agents.engine.view_gather import build_view, gathered_attention, gathered_kv, gathered_mass_attention
+from kvcmas_agents.reuse.storage.lowrank import Coeffs, compress, compress_joint
+from kvcmas_agents.reuse.realign import Realigner
+from kvcmas_agents.model.rope import inv_frequencies
+from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention
+from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention, gathered_kv, gathered_mass_attention
+from kvcmas_agents.reuse.storage.lowrank import Format
 
 
 @pytest.mark.parametrize("head_dim, group, kv_heads, rank, tq", [
@@ -32,16 +33,16 @@ def test_gather_path_matches_view_attention(head_dim, group, kv_heads, rank, tq)
             dk = torch.randn(layers, kv_heads, rows.numel(), head_dim) * 0.1
             if isinstance(rank, str):        # values (and with "keyrows", keys) as quantized rows
                 bits = int(rank[-1])
-                state = compress(dk, dk.flip(-1), rows, 16, dtype=torch.int8, value_bits=bits,
-                                 key_bits=bits if rank.startswith("key") else 0)
+                state = compress(dk, dk.flip(-1), rows, 16, Format(torch.int8, value_bits=bits,
+                                                                   key_bits=bits if rank.startswith("key") else 0))
             else:
-                state = compress(dk, dk.flip(-1), rows, rank, dtype=torch.int8 if i == 0 else None, int8_basis=True)
+                state = compress(dk, dk.flip(-1), rows, rank, Format(torch.int8 if i == 0 else None, int8_basis=True))
             deltas.append(realigner.rotate_delta(state, 11) if i == 1 else state)
         return SegmentPiece(perm[100 + start:100 + start + n], torch.arange(start, start + n), delta, deltas)
     pieces = [OwnPiece(perm[:10], torch.arange(10)), seg(10, 30, 7, 2), seg(40, 20, -3, 0),
               OwnPiece(perm[60:60 + tq], torch.arange(60, 60 + tq))]
     q = torch.randn(tq, kv_heads * group, head_dim)
-    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    view = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
     for layer in range(layers):
         ref = view_attention(q, torch.arange(60, 60 + tq), pieces, k_cache, v_cache, layer, head_dim ** -0.5,
                              realigner)
@@ -53,7 +54,7 @@ def test_gather_path_matches_view_attention(head_dim, group, kv_heads, rank, tq)
                                realigner)
         assert torch.allclose(ref, eager, atol=1e-5), (ref - eager).abs().max()
     # Not vacuous: without realignment the result differs.
-    plain = build_view([OwnPiece(p.slots, p.positions) for p in pieces], realigner, torch.device("cpu"),
+    plain = build_gathered([OwnPiece(p.slots, p.positions) for p in pieces], realigner, torch.device("cpu"),
                        torch.float32)
     assert not torch.allclose(gathered_attention(q, plain, k_cache, v_cache, 0, head_dim ** -0.5),
                               view_attention(q, torch.arange(60, 60 + tq), pieces, k_cache, v_cache, 0,
@@ -76,7 +77,7 @@ def test_mass_attention_matches_view_attention_with_gaps_and_inner_queries():
               OwnPiece(torch.arange(200, 206), torch.arange(50, 56))]
     q_pos = torch.cat([torch.arange(35, 40), torch.arange(50, 56)])
     q = torch.randn(q_pos.numel(), kv_heads * group, head_dim)
-    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    view = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
     key_pos = torch.cat([p.positions for p in pieces])
     for layer in range(layers):
         ref, ref_mass = view_attention(q, q_pos, pieces, k_cache, v_cache, layer, head_dim ** -0.5, realigner,
@@ -105,8 +106,8 @@ def test_joint_states_without_layer_zero(tq, u8):
     With u8, U's last components are 4-bit codes and B is int8 (the engine's default storage)."""
     head_dim, kv_heads, group, layers = 64, 3, 3, 3
     k_cache, v_cache, realigner, rows, dks = _three_segments(2, head_dim, kv_heads, layers)
-    states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, torch.int8, first_layer=1,
-                            int8_basis=u8 is not None, u8=u8)
+    states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, Format(torch.int8, int8_basis=u8 is not None,
+                                                                            u8=u8), first_layer=1)
     assert len({id(s.bk) for s in states}) == 1 and all(s.first_layer == 1 for s in states)
     assert all(s.tk == s.tv == (4 if u8 else 0) for s in states)
     pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
@@ -115,7 +116,7 @@ def test_joint_states_without_layer_zero(tq, u8):
                                    5 - 4 * i, [state]))
     pieces.append(OwnPiece(torch.arange(250, 250 + tq), torch.arange(68, 68 + tq)))
     q = torch.randn(tq, kv_heads * group, head_dim)
-    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    view = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
     assert view.first_layer == 1 and [len(st.groups) for st in view.stacks] == [1]
     assert len(view.stacks[0].groups[0][0]) == 3
     joined = Coeffs.joined(view.stacks[0].groups[0][0], 2, torch.float32)
@@ -135,7 +136,7 @@ def test_joint_states_without_layer_zero(tq, u8):
 def test_query_side_realignment_matches_key_rotation(monkeypatch, ndeltas, corrected):
     """Few queries over a view with few distinct deltas rotate the queries, not the keys (with more
     deltas than QUERY_ROTATIONS, the keys): same attention as view_attention either way, naive or not."""
-    import kvcmas_agents.engine.view_gather as vg
+    import kvcmas_agents.reuse.views.gather as vg
     torch.manual_seed(3)
     head_dim, kv_heads, group, layers, n = 64, 3, 3, 2, 12
     k_cache, v_cache = torch.randn(400, kv_heads, head_dim), torch.randn(400, kv_heads, head_dim)
@@ -145,12 +146,12 @@ def test_query_side_realignment_matches_key_rotation(monkeypatch, ndeltas, corre
     for i in range(12):
         rows = torch.tensor([0, 4, 9])
         dk = torch.randn(layers, kv_heads, 3, head_dim) * 0.2
-        deltas = [compress(dk, dk.flip(-1), rows, 2, torch.int8)] if corrected else []
+        deltas = [compress(dk, dk.flip(-1), rows, 2, Format(torch.int8))] if corrected else []
         pieces.append(SegmentPiece(torch.arange(20 + n * i, 20 + n * (i + 1)), torch.arange(5 + n * i, 5 + n * (i + 1)),
                                    (-1) ** i * (3 + i % ndeltas), deltas))
     pieces.append(OwnPiece(torch.arange(300, 302), torch.arange(5 + 12 * n, 7 + 12 * n)))
     q = torch.randn(2, kv_heads * group, head_dim)
-    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    view = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
     assert view.q_cos.shape[0] == 1 + min(2 * ndeltas, 12)
     assert vg._query_side(view, 1) == (ndeltas == 3) and not vg._query_side(view, 2)
     monkeypatch.setattr(vg, "QUERY_ROTATIONS", 2 * view.q_cos.shape[0])          # both queries rotated
@@ -164,7 +165,7 @@ def test_query_side_realignment_matches_key_rotation(monkeypatch, ndeltas, corre
         monkeypatch.setattr(vg, "QUERY_ROTATIONS", 2 * view.q_cos.shape[0])
         assert torch.allclose(keyside, ref, atol=1e-5)
     # Not vacuous: the deltas matter.
-    wrong = build_view([SegmentPiece(p.slots, p.positions, 0, p.deltas) if isinstance(p, SegmentPiece) else p
+    wrong = build_gathered([SegmentPiece(p.slots, p.positions, 0, p.deltas) if isinstance(p, SegmentPiece) else p
                         for p in pieces], realigner, torch.device("cpu"), torch.float32)
     assert not torch.allclose(gathered_attention(q, wrong, k_cache, v_cache, layer, head_dim ** -0.5), ref, atol=1e-3)
 
@@ -179,9 +180,9 @@ def test_row_states_of_several_requests_are_joined_in_one_group(tq):
     k_cache, v_cache, realigner, rows, dks = _three_segments(4, head_dim, kv_heads, layers)
     for d in dks:
         d[..., :3] *= 20.0                                   # large key channels
-    first = compress_joint(dks[:2], [d.flip(-1) for d in dks[:2]], rows[:2], 40, torch.int8, first_layer=1,
-                           small_rows=True)
-    second = compress(dks[2], dks[2].flip(-1), rows[2], 40, torch.int8, first_layer=1, small_rows=True)
+    first = compress_joint(dks[:2], [d.flip(-1) for d in dks[:2]], rows[:2], 40, Format(torch.int8, small_rows=True),
+                           first_layer=1)
+    second = compress(dks[2], dks[2].flip(-1), rows[2], 40, Format(torch.int8, small_rows=True), first_layer=1)
     states = first + [second]
     assert all(s.bk is None and s.ck is not None and s.rv is not None for s in states)
     assert first[0].ck is first[1].ck and first[0].ck is not second.ck
@@ -190,7 +191,7 @@ def test_row_states_of_several_requests_are_joined_in_one_group(tq):
         pieces.append(SegmentPiece(torch.arange(100 + 20 * i, 120 + 20 * i), torch.arange(8 + 20 * i, 28 + 20 * i),
                                    5 - 4 * i, [state]))
     pieces.append(OwnPiece(torch.arange(250, 250 + tq), torch.arange(68, 68 + tq)))
-    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    view = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
     assert [len(st.groups) for st in view.stacks] == [1] and len(view.stacks[0].groups[0][0]) == 3
     for layer in range(layers):
         for side in (0, 2):
@@ -202,7 +203,7 @@ def test_row_states_of_several_requests_are_joined_in_one_group(tq):
                              realigner)
         out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
         assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
-    four = compress(dks[2], dks[2].flip(-1), rows[2], 40, torch.int8, value_bits=4, key_bits=4, first_layer=1)
+    four = compress(dks[2], dks[2].flip(-1), rows[2], 40, Format(torch.int8, value_bits=4, key_bits=4), first_layer=1)
     mixed = [first[0].key_coeffs(), four.key_coeffs()]
     assert torch.equal(Coeffs.joined(mixed, 2), torch.cat([u.at(2) for u in mixed], dim=1))
 
@@ -219,12 +220,12 @@ def test_groups_stored_alike_are_read_together(tq):
     inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
     realigner = Realigner(inv.float())
     pieces, pos = [OwnPiece(torch.arange(0, 8), torch.arange(8))], 8
-    storages = [dict(int8_basis=True, u8=4, head_bits=6, first_layer=f) for f in (1, 3, 1, 2, 1)]
-    storages += [dict(key_bits=6, value_bits=6, first_layer=1)] * 2
-    for i, knobs in enumerate(storages):
+    storages = [(Format(torch.int8, int8_basis=True, u8=4, head_bits=6), f) for f in (1, 3, 1, 2, 1)]
+    storages += [(Format(torch.int8, key_bits=6, value_bits=6), 1)] * 2
+    for i, (fmt, first) in enumerate(storages):
         rows = [torch.sort(torch.randperm(20)[:12]).values, torch.sort(torch.randperm(16)[:9]).values]
         dks = [torch.randn(layers, kv_heads, r.numel(), head_dim) * 0.1 for r in rows]
-        states = compress_joint(dks, [d.flip(-1) * 0.5 for d in dks], rows, 8, torch.int8, **knobs)
+        states = compress_joint(dks, [d.flip(-1) * 0.5 for d in dks], rows, 8, fmt, first_layer=first)
         if i % 2:
             states = [realigner.rotate_delta(s, 3 + i) for s in states]
         for s, n in zip(states, (20, 16)):
@@ -233,7 +234,7 @@ def test_groups_stored_alike_are_read_together(tq):
             pos += n
     pieces.append(OwnPiece(torch.arange(550, 550 + tq), torch.arange(pos, pos + tq)))
     q = torch.randn(tq, kv_heads * group, head_dim)
-    view = build_view(pieces, realigner, torch.device("cpu"), torch.float32)
+    view = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
     assert sorted(len(st.groups) for st in view.stacks) == [2, 5]
     factored = next(st for st in view.stacks if len(st.groups) == 5)
     assert factored.firsts == [1, 1, 1, 2, 3] and factored.active(2) == 4 and factored.active(0) == 0
@@ -243,7 +244,7 @@ def test_groups_stored_alike_are_read_together(tq):
         out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
         assert torch.allclose(out, ref, atol=1e-5), (layer, (out - ref).abs().max())
     # Not vacuous: the corrections change the attention.
-    plain = build_view([OwnPiece(p.slots, p.positions) if isinstance(p, OwnPiece) else
+    plain = build_gathered([OwnPiece(p.slots, p.positions) if isinstance(p, OwnPiece) else
                         SegmentPiece(p.slots, p.positions, p.delta, []) for p in pieces], realigner,
                        torch.device("cpu"), torch.float32)
     assert not torch.allclose(gathered_attention(q, plain, k_cache, v_cache, 3, head_dim ** -0.5),

@@ -5,14 +5,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcmas_agents.engine.attention import sdpa
-from kvcmas_agents.engine.kv_store import KVStore
-from kvcmas_agents.engine.loader import load_model
-from kvcmas_agents.engine.lowrank import LowRankDelta, apply_to, compress
-from kvcmas_agents.engine.model import LlamaModel
-from kvcmas_agents.engine.realign import Realigner
-from kvcmas_agents.engine.rope import inv_frequencies
-from kvcmas_agents.engine.view_attention import OwnPiece, SegmentPiece, view_attention
+from kvcmas_agents.model.attention import sdpa
+from kvcmas_agents.cache.kv_store import KVStore
+from kvcmas_agents.model.loader import load_model
+from kvcmas_agents.reuse.storage.lowrank import LowRankDelta, apply_to, compress
+from kvcmas_agents.model.llama import LlamaModel
+from kvcmas_agents.reuse.realign import Realigner
+from kvcmas_agents.model.rope import inv_frequencies
+from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention
+from kvcmas_agents.reuse.storage.lowrank import Format
 
 CPU = torch.device("cpu")
 LAYERS = 2
@@ -45,7 +46,7 @@ def _state(nrows_seg: int, rows: torch.Tensor, rank: int, kv_heads: int, dim: in
     dv = 0.5 * torch.randn(LAYERS, kv_heads, rows.numel(), dim, generator=g)
     assert rows.numel() == 0 or rows.max() < nrows_seg
     if rank == "rows4":                     # low-rank keys, values as 4-bit quantized rows (identity basis)
-        return compress(dk, dv, rows, 16, dtype=torch.int8, value_bits=4)
+        return compress(dk, dv, rows, 16, Format(torch.int8, value_bits=4))
     return compress(dk, dv, rows, rank)
 
 
@@ -88,7 +89,8 @@ def _scenario(dim, group, kv_heads, rank, rows_mode, chain, tq, seed):
 @pytest.mark.parametrize("rows_mode", ["none", "some", "all"])
 @pytest.mark.parametrize("tq", [1, 4])
 def test_matches_materialized_oracle(dim, group, kv_heads, rank, rows_mode, tq):
-    args = _scenario(dim, group, kv_heads, rank, rows_mode, chain=False, tq=tq, seed=dim + group + (rank if isinstance(rank, int) else 99) + tq)
+    args = _scenario(dim, group, kv_heads, rank, rows_mode, chain=False, tq=tq,
+                     seed=dim + group + (rank if isinstance(rank, int) else 99) + tq)
     for layer in range(LAYERS):
         out, mass = view_attention(*args[:5], layer, *args[5:], return_mass=True)
         ref_out, ref_mass = oracle(*args[:5], layer, *args[5:])

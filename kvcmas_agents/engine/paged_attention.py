@@ -1,0 +1,44 @@
+"""The attention backend of one engine step: writes the step's new K/V into their slots, then each
+sequence attends over its paged KV, or over the view its reuse method gave it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..cache.kv_store import KVStore
+from ..model.attention import sdpa
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a flat step: its new tokens are q[q_start:q_end]."""
+
+    q_start: int
+    q_end: int
+    gather: torch.Tensor | None       # slots of its whole context, in order (plain paged KV)
+    view: Any = None                  # else a reuse view (``reuse.views.View``) of the context
+    q_positions: torch.Tensor | None = None
+
+
+class PagedAttention:
+    """AttentionBackend for one engine step."""
+
+    def __init__(self, store: KVStore, slices: list[SeqSlice], write_slots: torch.Tensor, scale: float):
+        self.store, self.slices, self.write_slots, self.scale = store, slices, write_slots, scale
+
+    def _one(self, layer: int, s: SeqSlice, q: torch.Tensor) -> torch.Tensor:
+        kc, vc = self.store.k[layer], self.store.v[layer]
+        if s.view is not None:
+            return s.view.attend(q, s.q_positions, kc, vc, layer, self.scale)
+        return sdpa(q, kc.index_select(0, s.gather), vc.index_select(0, s.gather), self.scale)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.store.write(layer, self.write_slots, k, v)
+        if len(self.slices) == 1:
+            return self._one(layer, self.slices[0], q)
+        out = torch.empty_like(q)
+        for s in self.slices:
+            out[s.q_start:s.q_end] = self._one(layer, s, q[s.q_start:s.q_end])
+        return out

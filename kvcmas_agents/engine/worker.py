@@ -1,0 +1,246 @@
+"""The engine's worker: one thread owns all torch work. Each step reads
+
+    admit -> the reuse method prepares (at most one correction) -> schedule -> run -> postprocess
+
+then, when nothing waits or prefills, one unit of idle work (ahead-of-time corrections). A failing
+step is retried request by request, so that only the culprit fails.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Mapping
+
+import torch
+
+from ..cache.kv_store import KVStore
+from ..chat.tools import parse_tool_calls
+from ..errors import EngineClosedError, EngineError
+from ..model.sampling import Sampler
+from ..reuse.base import ReuseMethod
+from .outputs import RequestOutput, StreamDelta, Usage
+from .request import Request
+from .runner import ModelRunner
+from .scheduler import Scheduler, StepItem
+from .stats import Counters
+
+ADD, ABORT, CLOSE = "add", "abort", "close"
+
+
+class Worker:
+    def __init__(self, scheduler: Scheduler, methods: Mapping[str, ReuseMethod], runner: ModelRunner,
+                 store: KVStore, tokenizer: Any, tok_lock: threading.Lock, stop_token_ids: set[int],
+                 counters: Counters, inbox: "queue.Queue[tuple[str, Any]]"):
+        self.scheduler, self.methods, self.runner, self.store = scheduler, methods, runner, store
+        self.sampler = Sampler()
+        self.tokenizer, self.tok_lock, self.stop_token_ids = tokenizer, tok_lock, stop_token_ids
+        self.counters, self.inbox = counters, inbox
+        self.peak_total = 0
+
+    def method(self, req: Request) -> ReuseMethod:
+        return self.methods[req.options.reuse]
+
+    # --- the loop ------------------------------------------------------------------------------
+    def loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            try:
+                idle_work = any(m.has_idle_work() for m in self.methods.values())
+                if not self._drain_inbox(block=not (sched.has_work() or idle_work)):
+                    break
+                agents = {r.agent for r in sched.waiting}
+                for m in self.methods.values():
+                    m.admitting(agents)
+                sched.admit()
+                self._prepare_one()
+                items = sched.schedule()
+                # Peak: this step's blocks and fresh corrections, before the step retires anything (a step
+                # only writes into blocks planned here; idle work samples its own).
+                self.track_peak()
+                if items:
+                    self._step(items)
+                self._idle()
+            except Exception as exc:     # a bug outside any one request: fail everything in flight
+                for req in list(sched.running) + list(sched.waiting):
+                    self.fail(req, EngineError(f"engine step failed: {exc!r}"))
+        for req in list(sched.running) + list(sched.waiting):
+            self.fail(req, EngineClosedError("engine closed while the request was pending"))
+
+    def _drain_inbox(self, block: bool) -> bool:
+        """Apply queued commands; returns False on close."""
+        try:
+            cmd, arg = self.inbox.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if cmd == CLOSE:
+                return False
+            if cmd == ADD:
+                self.scheduler.add(arg)
+            elif cmd == ABORT and arg.finish_reason is None:
+                arg.aborted = True
+                self.retire(arg, "aborted")
+            try:
+                cmd, arg = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _prepare_one(self) -> None:
+        """Let the reuse methods prepare the running requests whose own prefix is computed: at most one
+        with real work (a correction) per step, the oldest first, so concurrent requests keep prefilling
+        and decoding between corrections; requests with nothing to compute pass at once."""
+        busy = False
+        for req in list(self.scheduler.running):
+            if req.finish_reason is None and req.needs_correction:
+                method = self.method(req)
+                work = method.pending(req)
+                if work and busy:
+                    continue
+                busy = busy or work
+                try:
+                    self.scheduler.ensure_blocks(req, len(req.prompt_ids))
+                    method.prepare(req)
+                    req.num_computed = req.reuse_end
+                except Exception as exc:
+                    self.fail(req, EngineError(f"correction failed for {req.request_id}: {exc!r}"))
+
+    def _idle(self) -> None:
+        """Work off the critical path runs only while nothing waits and nobody is prefilling (e.g.
+        during decode), so it never delays a first token; a decode step waits for one unit at most."""
+        sched = self.scheduler
+        if sched.waiting or any(r.in_prefill for r in sched.running):
+            return
+        for m in self.methods.values():
+            if m.has_idle_work():
+                m.idle({r.agent for r in sched.running})
+                self.track_peak()
+                return
+
+    def state_bytes(self) -> int:
+        return sum(m.state_bytes() for m in self.methods.values())
+
+    def track_peak(self) -> None:
+        total = self.store.stats().kv_bytes + self.state_bytes()
+        if total > self.peak_total:
+            self.peak_total = total
+
+    # --- one step ------------------------------------------------------------------------------
+    def _step(self, items: list[StepItem]) -> None:
+        try:
+            logits = self.runner.run(items)
+            results = [(items, logits)]
+        except Exception:
+            # Isolate: rerun each request alone; rewriting the same KV slots is harmless.
+            results = []
+            for item in items:
+                try:
+                    results.append(([item], self.runner.run([item])))
+                except Exception as exc:
+                    self.fail(item.request, EngineError(f"forward failed for {item.request.request_id}: {exc!r}"))
+        self.counters.add("steps")
+        self.counters.raise_to("max_batch_seqs", len(items))
+        for group, logits in results:
+            sampling = [it.request for it in group if it.samples]   # decided before committing
+            for item in group:
+                self.scheduler.committed(item)
+            if sampling:
+                self._sample(sampling, logits)
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
+        try:
+            tokens = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+        except Exception:
+            tokens = []
+            for i, r in enumerate(reqs):
+                try:
+                    tokens.append(int(self.sampler(logits[i:i + 1], [r.sampling], [r.generator])[0]))
+                except Exception as exc:
+                    self.fail(r, EngineError(f"sampling failed: {exc!r}"))
+                    tokens.append(None)
+        for i, (req, tok) in enumerate(zip(reqs, tokens)):
+            if tok is None or req.finish_reason is not None:
+                continue
+            if req.sampling.return_logits:
+                req.logits.append(logits[i].detach().to("cpu", copy=True))
+            forced = req.sampling.forced_tokens
+            if forced is not None and len(req.output_ids) < len(forced):
+                tok = int(forced[len(req.output_ids)])
+            try:
+                self._append_token(req, tok)
+            except Exception as exc:
+                self.fail(req, EngineError(f"post-processing failed: {exc!r}"))
+
+    def _append_token(self, req: Request, tok: int) -> None:
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        if tok in self.stop_token_ids and not req.sampling.ignore_eos:
+            req.stop_reason = self.tokenizer.convert_ids_to_tokens(tok)
+            return self.retire(req, "stop")
+        req.output_ids.append(tok)
+        with self.tok_lock:
+            text = req.detok.push(tok)
+        if req.detok.stopped:
+            req.stop_reason = req.detok.matched_stop
+            return self.retire(req, "stop", text)
+        if len(req.output_ids) >= req.max_new_tokens:
+            return self.retire(req, "length", text)
+        self.emit(req, StreamDelta(text=text, token_ids=[tok]))
+
+    # --- the end of a request ------------------------------------------------------------------
+    def emit(self, req: Request, event: Any) -> None:
+        try:
+            req.sink(event)
+        except RuntimeError:     # the caller's event loop is gone: nobody is listening
+            if req.finish_reason is None:
+                req.aborted = True
+                self.retire(req, "aborted")
+
+    def retire(self, req: Request, reason: str, text: str = "") -> None:
+        """Finish a request: free its KV, record stats, and send the final event."""
+        req.finish_reason = reason
+        try:    # e.g. the reply's decode KV becomes its home view; an error here costs only the reuse
+            self.method(req).on_finish(req, reason)
+        except Exception:
+            pass
+        self.scheduler.finish(req)
+        if req.declare:      # no output: count it, and wake a waiting declare_agent
+            self.counters.add("declared" if reason in ("stop", "length") else "declare_failed")
+            if reason != "error":        # fail() sends the error itself
+                self.emit(req, StreamDelta(text="", token_ids=[], finish_reason=reason))
+            return
+        if reason in ("aborted", "error"):
+            self.counters.add("aborted" if reason == "aborted" else "failed")
+            return
+        with self.tok_lock:
+            text += req.detok.finish()
+        out = self._output(req)
+        self.counters.record(req.agent, out.usage, out.ttft_s)
+        self.emit(req, StreamDelta(text=text, token_ids=[], finish_reason=out.finish_reason, output=out))
+
+    def fail(self, req: Request, exc: BaseException) -> None:
+        if req.finish_reason is not None:
+            return
+        self.retire(req, "error")
+        self.emit(req, exc)
+
+    def _output(self, req: Request) -> RequestOutput:
+        text = req.detok.text
+        parsed = parse_tool_calls(text, req.tool_names) if req.tool_names else None
+        reason = req.finish_reason
+        if parsed is not None and parsed.tool_calls:
+            reason = "tool_calls"
+        now = time.perf_counter()
+        usage = Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                      cached_tokens=req.cached_tokens, reused_tokens=req.reused_tokens,
+                      recomputed_tokens=req.recomputed_tokens)
+        return RequestOutput(
+            request_id=req.request_id, agent=req.agent, text=text, token_ids=list(req.output_ids),
+            finish_reason=reason, ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival,
+            usage=usage, content=parsed.content if parsed else text,
+            tool_calls=parsed.tool_calls if parsed else [],
+            invalid_tool_calls=parsed.invalid_tool_calls if parsed else [],
+            stop_reason=req.stop_reason,
+            reuse=req.options.reuse if req.prompt.prefix_stable else "none",
+            prefix_stable=req.prompt.prefix_stable,
+            logits=req.logits if req.sampling.return_logits else None)

@@ -1,0 +1,153 @@
+"""The seam between the engine and the reuse methods.
+
+A reuse method decides which of a request's KV it need not compute and makes that KV usable. The
+engine calls it at fixed points of a request's life, and knows nothing else about it:
+
+    plan      at admission: give the request KV it need not compute (cached or reused pieces)
+    pending   whether ``prepare`` has real work for it (the engine runs one such per step)
+    prepare   once its own prefix is computed: make the reused pieces usable (correct them)
+    view      the attention view its steps read over [0, end), or None for plain paged KV
+    on_computed / on_finish / release   after a step wrote its KV / when it ends / when it lets go
+    admitting, has_idle_work, idle      work off the critical path (ahead-of-time corrections)
+    state_bytes, stats                  what it holds outside KV blocks, and what it did
+
+Methods are registered by name (``registry.register``); requests pick one with ``reuse=``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Protocol
+
+import torch
+
+from ..cache.kv_store import KVStore
+from ..cache.prefix_cache import PrefixCache
+from ..chat.template import RenderedPrompt
+from ..model.llama import LlamaModel
+from .options import ReuseOptions
+from .pieces import ReusePiece
+from .realign import Realigner
+from .segments import SegmentStore
+
+
+class ReuseRequest(Protocol):
+    """What a reuse method reads and sets on a request (the engine's ``Request``)."""
+
+    request_id: str
+    agent: str
+    prompt: RenderedPrompt
+    options: ReuseOptions
+    arrival: float
+    declare: bool
+    blocks: list[int]                  # KV blocks by position (-1: wholly inside a reused span)
+    num_computed: int
+    output_ids: list[int]
+    cached_tokens: int                 # exact KV it did not compute
+    reused_tokens: int                 # KV reused from other contexts, corrected or not
+    recomputed_tokens: int
+    indexed_blocks: int                # prefix caching: leading blocks already in the index
+    index_parent: int
+    pieces: list[ReusePiece]           # the plan: own prefix [0, own_prefix_end), pieces, own tail
+    own_prefix_end: int
+    reuse_end: int
+    registered: bool                   # its own segments are home views
+    select_from: int | None            # first selection query (side requests; None: reuse_end)
+    view_base: Any                     # attention layout of [0, reuse_end), kept while it decodes
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+    @property
+    def all_ids(self) -> list[int]: ...
+    @property
+    def in_prefill(self) -> bool: ...
+    def owns(self, start: int, end: int) -> bool: ...
+
+
+@dataclass
+class ReuseContext:
+    """What the engine shares with every reuse method: the model, KV memory, the home views, and the
+    few engine services a method may call back (side requests for work ahead of time)."""
+
+    model: LlamaModel
+    store: KVStore
+    prefix: PrefixCache
+    segments: SegmentStore
+    realigner: Realigner
+    view_path: str                                       # "gather", "query" or "triton" (resolved)
+    predecessors: Callable[[str], list[str]]             # the edge order
+    successors: Callable[[str], list[str]]
+    side_request: Callable[..., ReuseRequest]            # (request_id, agent, prompt, options, select_from)
+    reserve: Callable[[ReuseRequest, int], bool]         # promise and allocate a side request's blocks
+    release: Callable[[ReuseRequest], None]              # free them (and the method's pins)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+
+class ReuseMethod:
+    """Base of every reuse method: reuses nothing and holds nothing (the hooks do nothing)."""
+
+    name: ClassVar[str]
+    cross_agent: ClassVar[bool] = False      # reads other agents' home views (needs realignable RoPE)
+    reuses: ClassVar[bool] = True            # reuses any KV at all (a declared prefix can help it)
+    config_class: ClassVar[type | None] = None
+
+    def __init__(self, ctx: ReuseContext, settings: Any = None):
+        self.ctx = ctx
+        self.settings = settings
+
+    @classmethod
+    def settings_of(cls, config: Any) -> Any:
+        """This method's settings in an EngineConfig: its entry in ``config.baselines``, else defaults."""
+        if cls.config_class is None:
+            return None
+        return (getattr(config, "baselines", None) or {}).get(cls.name) or cls.config_class()
+
+    @classmethod
+    def defaults(cls, config: Any) -> tuple[float, int, str]:
+        """(recompute_ratio, rank, reference) a request of this mode gets when it sets none."""
+        k = config.kvcmas
+        return k.recompute_ratio, k.rank, k.reference
+
+    # --- a request's life -------------------------------------------------------------------
+    def plan(self, req: ReuseRequest) -> None:
+        """At admission: give the request KV it need not compute; must be undone by ``release``."""
+
+    def pending(self, req: ReuseRequest) -> bool:
+        """Whether ``prepare`` has work to do for this request (not just bookkeeping)."""
+        return False
+
+    def prepare(self, req: ReuseRequest) -> None:
+        """Make [own_prefix_end, reuse_end) usable; the engine then counts it as computed."""
+
+    def view(self, req: ReuseRequest, end: int) -> Any:
+        """The attention view of the request's context [0, end), or None for its plain paged KV."""
+        return None
+
+    def on_computed(self, req: ReuseRequest) -> None:
+        """A step has written KV for the request's tokens up to ``req.num_computed``."""
+
+    def on_finish(self, req: ReuseRequest, reason: str) -> None:
+        """The request ended ("stop", "length", "aborted" or "error"), before its KV is released."""
+
+    def release(self, req: ReuseRequest) -> None:
+        """Let go of what ``plan`` took (pins), at the end or after a failed admission."""
+
+    # --- work off the critical path ---------------------------------------------------------
+    def admitting(self, agents: set[str]) -> None:
+        """These agents' requests are about to be admitted: run work queued for them first."""
+
+    def has_idle_work(self) -> bool:
+        return False
+
+    def idle(self, busy: set[str]) -> None:
+        """Run one unit of queued work while nothing waits and nothing prefills."""
+
+    # --- accounting ---------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes this method holds outside the KV blocks (corrections, anchors)."""
+        return 0
+
+    def stats(self) -> dict[str, Any]:
+        return {}

@@ -1,0 +1,218 @@
+"""Cross-agent reuse: plan a prompt into spans served by other contexts' home views, and lay out the
+attention view over them. The base of "naive", "kvcmas" and the baselines; "naive" is it alone.
+
+Per request of agent X (docs/method.md):
+  plan  - split the prompt into [own prefix] + [segments found in the segment store] + [own tail]; a
+          segment X itself computed at the same place is reused exactly, the others as the subclass
+          decides (``_classify``); new text between reused spans is computed with them in ``prepare``.
+  view  - attention reads realign(home) + corrections, never a materialized copy (``views``).
+  homes - once X's prompt is computed, its own segments become home views; its reply's decode KV too.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import ReuseMethod, ReuseRequest
+from .pieces import ReusePiece
+from .recompute import LayerHook, recompute
+from .registry import register
+from .segments import context_key
+from .views import build_view
+from .views.gather import GatheredView, build_gathered, gathered_kv
+from .views.reference import OwnPiece, SegmentPiece
+
+MAX_FRAME = 16          # tokens of role header and trailer around a decoded reply inside its message
+
+
+class CrossAgentMethod(ReuseMethod):
+    cross_agent = True
+
+    # --- planning (at admission) ---------------------------------------------------------------
+    def plan(self, req: ReuseRequest) -> None:
+        ids, agent, segments = req.prompt_ids, req.agent, self.ctx.segments
+        segs = [s for s in req.prompt.segments if s.kind != "suffix" and s.length > 0]
+        pieces: list[ReusePiece] = []
+        own_prefix_end = 0
+        parts = (part for seg in segs for part in self._parts(ids, seg.start, seg.end, req.arrival))
+        for start, end, home, frame in parts:
+            ctx = context_key(agent, ids, start)
+            if home is None:
+                if not pieces:
+                    own_prefix_end = end           # e.g. this agent's new system prompt
+                else:                              # new text between reused ones: computed in prepare
+                    pieces.append(ReusePiece(None, start, end, ctx, pending=True))
+                continue
+            piece = ReusePiece(home, start, end, ctx, frame=frame)
+            if piece.delta == 0 and (start == 0 or (home.agent == agent and home.context == ctx)):
+                piece.exact = True                 # same tokens under the same view: KV is identical
+            else:
+                self._classify(req, piece, tuple(ids[start:end]))
+            pieces.append(piece)
+        if pieces and pieces[-1].end >= len(ids):
+            pieces.pop()                           # keep at least one token to prefill for logits
+        while pieces and pieces[-1].home is None:
+            pieces.pop()                           # trailing new text belongs to the own tail
+        req.pieces = pieces
+        req.own_prefix_end = own_prefix_end
+        req.reuse_end = pieces[-1].end if pieces else own_prefix_end
+        for p in pieces:
+            if p.home is not None:
+                segments.pin(p.home)
+        req.cached_tokens = sum(p.end - p.start for p in pieces if p.exact)
+        req.reused_tokens = sum(p.end - p.start for p in pieces if p.home is not None and not p.exact)
+
+    def _classify(self, req: ReuseRequest, piece: ReusePiece, tokens: tuple[int, ...]) -> None:
+        """Decide how a piece reused from another context is served; naive reuse leaves it as it is
+        (realigned, uncorrected)."""
+
+    def _parts(self, ids: list[int], start: int, end: int, arrival: float) -> list[tuple[int, int, Any, bool]]:
+        """A message segment as (start, end, home, frame) parts: the whole segment's home view; else a
+        decoded reply found inside it, between header and trailer (frame) parts; else new text.
+
+        Only home views registered before the request arrived count, so what a request reuses does not
+        depend on when the worker admits it: concurrent siblings (a fan-out) each compute the new text
+        they share, as when admitted in one step, instead of reusing whichever one ran first."""
+        segments = self.ctx.segments
+        tokens = tuple(ids[start:end])
+        home = segments.lookup(tokens, arrival)
+        if home is not None:
+            return [(start, end, home, False)]
+        found = segments.find_decoded(tokens, arrival)
+        # Only a reply decoded (almost) whole: a partial one would leave most of the message as new
+        # text that every later agent computes again under its partly corrected view.
+        if found is None or len(tokens) - len(found[1].key) > MAX_FRAME:
+            return [(start, end, None, False)]
+        offset, home = found
+        a, b = start + offset, start + offset + len(home.key)
+        # The header and trailer around the reply reuse the home of the same frame tokens (registered by
+        # the first request that computed them), so no agent recomputes every message's frame each turn.
+        return [(s, e, home, False) if s == a else (s, e, segments.lookup(tuple(ids[s:e]), arrival), True)
+                for s, e in ((start, a), (a, b), (b, end)) if e > s]
+
+    def release(self, req: ReuseRequest) -> None:
+        for p in req.pieces:
+            if p.home is not None:
+                self.ctx.segments.unpin(p.home)
+        req.pieces = []
+        req.view_base = None
+
+    # --- preparing: new text between reused spans ------------------------------------------------
+    def pending(self, req: ReuseRequest) -> bool:
+        return any(p.pending for p in req.pieces)
+
+    def prepare(self, req: ReuseRequest) -> None:
+        new = [p for p in req.pieces if p.home is None]
+        if new:
+            self.recompute_over_view(req, {id(p): torch.arange(p.end - p.start) for p in new})
+            for p in new:
+                p.pending = False
+
+    def recompute_over_view(self, req: ReuseRequest, rows: dict[int, torch.Tensor],
+                            on_layer: LayerHook | None = None) -> dict[int, slice]:
+        """Recompute ``rows`` (local to each piece, by the piece's id) layer by layer over the request's
+        view of [0, reuse_end). New text's KV is written to the request's own blocks; ``on_layer`` sees
+        every recomputed row's old (view) and new KV at each layer, the pieces' rows at the slices
+        returned, in position order."""
+        ctx, dev = self.ctx, self.ctx.device
+        order = [p for p in req.pieces if id(p) in rows]                       # position order
+        spans = self.row_spans(req, rows)
+        positions = torch.cat([p.start + rows[id(p)].to(dev) for p in order])
+        new = [(ctx.store.slots(req.blocks, p.start, p.end), spans[id(p)]) for p in order if p.home is None]
+        view = build_gathered(self.pieces_for(req, req.reuse_end), ctx.realigner, dev, ctx.store.k.dtype)
+
+        def hook(layer, pos, k_old, v_old, k_new, v_new):
+            for slots, span in new:                         # new text: exact, kept in own blocks
+                ctx.store.write(layer, slots, k_new[span], v_new[span])
+            if on_layer is not None:
+                on_layer(layer, pos, k_old, v_old, k_new, v_new)
+            return None
+
+        recompute(ctx.model, torch.tensor(req.prompt_ids), positions,
+                  lambda layer: gathered_kv(view, ctx.store.k[layer], ctx.store.v[layer], layer), hook)
+        return spans
+
+    @staticmethod
+    def row_spans(req: ReuseRequest, rows: dict[int, torch.Tensor]) -> dict[int, slice]:
+        """Where each piece's rows sit among all recomputed rows (pieces in position order)."""
+        spans, offset = {}, 0
+        for p in req.pieces:
+            if id(p) in rows:
+                spans[id(p)] = slice(offset, offset + rows[id(p)].numel())
+                offset += rows[id(p)].numel()
+        return spans
+
+    # --- attention layout ------------------------------------------------------------------------
+    def view(self, req: ReuseRequest, end: int) -> Any:
+        if not req.pieces or end <= req.own_prefix_end:
+            return None
+        if self.ctx.view_path == "gather":
+            return self.gathered_view(req, end)
+        return build_view(self.ctx.view_path, self.pieces_for(req, end), self.ctx.realigner, self.ctx.device,
+                          self.ctx.store.k.dtype)
+
+    def pieces_for(self, req: ReuseRequest, end: int, include_new: bool = True) -> list:
+        """The view-attention pieces of a request's context [0, end); include_new=False leaves out
+        new spans between reused ones (their KV is not computed yet)."""
+        out: list = []
+        a, b = req.own_prefix_end, req.reuse_end
+        if a > 0:
+            out.append(self.own_piece(req, 0, min(a, end)))
+        for p in req.pieces:
+            if p.home is None or p.private:
+                if p.start < end and (include_new or p.private):
+                    out.append(self.own_piece(req, p.start, min(p.end, end)))
+                continue
+            out.append(SegmentPiece(p.home.slots, torch.arange(p.start, p.end, device=self.ctx.device),
+                                    p.delta, p.chain))
+        if end > b:
+            out.append(self.own_piece(req, b, end))
+        return out
+
+    def gathered_view(self, req: ReuseRequest, end: int) -> GatheredView:
+        """The gather path's layout of a request's context [0, end). The reused part [0, reuse_end) is
+        laid out once and kept on the request, so a decode step only appends its own tail's slots."""
+        ctx, b = self.ctx, req.reuse_end
+        if end <= b:
+            return build_gathered(self.pieces_for(req, end), ctx.realigner, ctx.device, ctx.store.k.dtype)
+        key = (b, req.own_prefix_end, tuple((p.start, p.end, len(p.chain), p.pending, p.private) for p in req.pieces))
+        if req.view_base is None or req.view_base[0] != key:
+            req.view_base = (key, build_gathered(self.pieces_for(req, b), ctx.realigner, ctx.device,
+                                                 ctx.store.k.dtype))
+        return req.view_base[1].extend(ctx.store.slots(req.blocks, b, end))
+
+    def own_piece(self, req: ReuseRequest, start: int, end: int) -> OwnPiece:
+        return OwnPiece(self.ctx.store.slots(req.blocks, start, end),
+                        torch.arange(start, end, device=self.ctx.device))
+
+    # --- home views ------------------------------------------------------------------------------
+    def on_computed(self, req: ReuseRequest) -> None:
+        """Once the prompt is computed, its own (non-reused) segments become home views."""
+        if req.registered or req.in_prefill:
+            return
+        req.registered = True
+        ids = req.prompt_ids
+        spans = [(seg.start, seg.end) for seg in req.prompt.segments
+                 if seg.kind != "suffix" and seg.length > 0 and req.owns(seg.start, seg.end)]
+        spans += [(p.start, p.end) for p in req.pieces if p.home is None]   # frames around reused replies
+        for start, end in spans:
+            self.ctx.segments.register(tuple(ids[start:end]), req.agent, start, context_key(req.agent, ids, start),
+                                       req.blocks)
+
+    def on_finish(self, req: ReuseRequest, reason: str) -> None:
+        """A finished reply's generated tokens with KV become a home view (its decode's own KV)."""
+        if reason not in ("stop", "length") or not req.prompt.prefix_stable:
+            return
+        begin, store = len(req.prompt_ids), self.ctx.store
+        n = req.num_computed - begin              # the last sampled token was never fed: no KV
+        if n > 0 and req.blocks and min(req.blocks[begin // store.block_size:], default=0) >= 0:
+            self.ctx.segments.register_decoded(tuple(req.output_ids[:n]), req.agent, begin,
+                                               context_key(req.agent, req.all_ids, begin), req.blocks)
+
+
+@register
+class NaiveReuse(CrossAgentMethod):
+    """Other agents' segment KV, RoPE-realigned and not corrected: the fidelity floor."""
+
+    name = "naive"

@@ -1,0 +1,44 @@
+"""KVCMASConfig: the knobs of KVCMAS that a user may set."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..options import REFERENCES
+from ..storage.spec import StorageSpec
+
+
+@dataclass
+class KVCMASConfig:
+    """KVCMAS settings (docs/method.md).
+
+    recompute_ratio: fraction of a reused segment's tokens recomputed under the agent's own prefix,
+        chosen by the attention mass the prompt's tail puts on them (1.0 is exact).
+    rank: SVD rank of each correction, per layer and KV head.
+    reference: "home" corrects the exact home view; "chain" the graph predecessor's corrected view.
+    prefetch: correct the shared segments for an agent's graph successors ahead of time, while it decodes.
+    prefetch_ratio: recompute ratio of those ahead-of-time corrections (at least recompute_ratio):
+        they are selected before the successor's real tail is known.
+    recompute_newest: recompute whole the newest reused message, and the newest reused reply when it
+        starts near the tail, on top of recompute_ratio (no ahead-of-time correction covers them).
+    storage: how corrections are stored (StorageSpec).
+    """
+
+    recompute_ratio: float = 0.5
+    rank: int = 40
+    reference: str = "home"
+    prefetch: bool = True
+    prefetch_ratio: float = 0.9
+    recompute_newest: bool = True
+    storage: StorageSpec = field(default_factory=StorageSpec)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.recompute_ratio <= 1.0:
+            raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {self.rank!r}")
+        if self.reference not in REFERENCES:
+            raise ValueError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
+        if not 0.0 <= self.prefetch_ratio <= 1.0:
+            raise ValueError(f"prefetch_ratio must be in [0, 1], got {self.prefetch_ratio}")
+        if not isinstance(self.storage, StorageSpec):
+            raise ValueError(f"storage must be a StorageSpec, got {self.storage!r}")

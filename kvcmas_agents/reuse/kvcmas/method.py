@@ -1,0 +1,75 @@
+"""KVCMAS as a reuse method: cross-agent planning, plus corrections that persist per (agent, segment,
+position, context), computed inline or ahead of time along the edge order."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from ..base import ReuseContext, ReuseRequest
+from ..cross_agent import CrossAgentMethod
+from ..pieces import ReusePiece
+from ..registry import register
+from .config import KVCMASConfig
+from .correction import Corrector
+from .prefetch import Prefetcher
+
+
+@register
+class KVCMAS(CrossAgentMethod):
+    """Query-aware selective recompute of reused segments, stored as low-rank corrections."""
+
+    name = "kvcmas"
+    config_class = KVCMASConfig
+
+    def __init__(self, ctx: ReuseContext, settings: KVCMASConfig | None = None):
+        super().__init__(ctx, settings or KVCMASConfig())
+        s = self.settings
+        self.corrector = Corrector(self, s.storage, s.recompute_newest)
+        self.prefetcher = Prefetcher(self, s.prefetch_ratio) if s.prefetch else None
+
+    @classmethod
+    def settings_of(cls, config: Any) -> KVCMASConfig:
+        return config.kvcmas
+
+    def _classify(self, req: ReuseRequest, piece: ReusePiece, tokens: tuple[int, ...]) -> None:
+        """A correction this agent already holds for the segment here is reused; else one is computed."""
+        corr = self.ctx.segments.correction(req.agent, tokens, piece.start, piece.context)
+        if corr is not None:
+            piece.chain = list(corr.chain)
+        else:
+            piece.pending = True
+
+    def prepare(self, req: ReuseRequest) -> None:
+        self.corrector.correct(req)
+
+    def on_computed(self, req: ReuseRequest) -> None:
+        first = not req.registered and not req.in_prefill
+        super().on_computed(req)
+        if first and self.prefetcher is not None:
+            self.prefetcher.observe(req)
+
+    # --- ahead-of-time corrections ---------------------------------------------------------------
+    def admitting(self, agents: set[str]) -> None:
+        if self.prefetcher is not None:       # an agent's own queued prefetch runs before its request
+            self.prefetcher.run_for(agents)
+
+    def has_idle_work(self) -> bool:
+        return self.prefetcher is not None and self.prefetcher.has_work()
+
+    def idle(self, busy: set[str]) -> None:
+        self.prefetcher.run_one(busy)
+
+    # --- accounting ------------------------------------------------------------------------------
+    def state_bytes(self) -> int:
+        return self.ctx.segments.correction_bytes
+
+    def stats(self) -> dict[str, Any]:
+        seg, c = self.ctx.segments.stats(), self.corrector
+        return {
+            "settings": asdict(self.settings),
+            "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
+            "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent,
+            "rows_dropped": c.rows_dropped, "layers_dropped": c.layers_dropped,
+            "selections_capped": c.selections_capped,
+            "prefetch": asdict(self.prefetcher.stats) if self.prefetcher is not None else None,
+        }

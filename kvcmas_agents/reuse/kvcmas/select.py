@@ -1,0 +1,117 @@
+"""KVCMAS selection: which reused rows a request recomputes.
+
+The prompt's tail runs over the realigned (and already corrected) view; each reused token is ranked by
+the attention mass the tail's queries put on it, summed over layers and heads, and the top
+``recompute_ratio`` are recomputed. Frames, and the newest reused message, are recomputed whole.
+"""
+from __future__ import annotations
+
+
+import torch
+
+from ..base import ReuseRequest
+from ..cross_agent import CrossAgentMethod, MAX_FRAME
+from ..pieces import ReusePiece
+from ..views.gather import build_gathered, gathered_mass_attention
+from ..views.reference import SegmentPiece
+
+
+NEWEST_SPAN = 256       # how far back from the tail the newest reused reply is recomputed whole
+# Selection queries are at most the prompt's last SELECT_MAX tokens. A long new message as the tail (a
+# tool's output, a pasted document) would otherwise make selection a second pass over all of it, with
+# every query's attention mass kept. A cut tail's last tokens then attend to the reused view and to
+# themselves, not to the tail's start: a stand-in, as an ahead-of-time correction's queries are.
+SELECT_MAX = 512
+
+
+def select_rows(method: CrossAgentMethod, req: ReuseRequest, pending: list[ReusePiece],
+                newest_whole: bool) -> tuple[list[torch.Tensor], bool]:
+    """Rows (local to each pending piece) to recompute, and whether the queries were cut to SELECT_MAX.
+
+    Frames are recomputed whole on top of the ratio: they were new text, computed in full, before they
+    had homes, and are few tokens. So is the newest reused message (``newest_pieces``)."""
+    total = sum(p.end - p.start for p in pending)
+    whole = newest_pieces(req, pending) if newest_whole and req.options.recompute_ratio > 0 else set()
+    whole |= {id(p) for p in pending if p.frame}
+    forced = sum(p.end - p.start for p in pending if id(p) in whole)
+    k = round(req.options.recompute_ratio * (total - forced)) + forced
+    if k >= total:
+        return [torch.arange(p.end - p.start) for p in pending], False
+    if k == 0:
+        return [torch.arange(0) for _ in pending], False
+    mass, capped = attention_mass(method, req, pending)
+    mass = torch.cat([m.fill_(float("inf")) if id(p) in whole else m for p, m in zip(pending, mass)])
+    top = torch.topk(mass, k).indices.sort().values
+    out, offset = [], 0
+    for p in pending:
+        size = p.end - p.start
+        out.append((top[(top >= offset) & (top < offset + size)] - offset).cpu())
+        offset += size
+    return out, capped
+
+
+def attention_mass(method: CrossAgentMethod, req: ReuseRequest, pending: list[ReusePiece]) -> tuple[list[torch.Tensor],
+                                                                                                    bool]:
+    """The attention mass [n] each pending piece's tokens get from the selection queries, and whether
+    those were cut to the prompt's last SELECT_MAX tokens."""
+    ctx = method.ctx
+    b, n = req.reuse_end, len(req.prompt_ids)
+    # Queries: the own tail, or from req.select_from on (an ahead-of-time correction also queries the
+    # last reused message, since the real tail is not known yet); only the tail's own KV is written.
+    qs = min(req.select_from, b) if req.select_from is not None else b
+    capped = qs < n - SELECT_MAX
+    if capped:
+        qs = n - SELECT_MAX
+    tail = max(qs, b)                          # own keys [tail, n) follow the reused view [0, b)
+    pieces = method.pieces_for(req, b, include_new=False) + ([method.own_piece(req, tail, n)] if n > tail else [])
+    spans, offset = [], 0                      # where each pending piece's keys sit in the view
+    starts = {p.start for p in pending}
+    for pc in pieces:
+        size = pc.slots.numel()
+        if isinstance(pc, SegmentPiece) and pc.positions[0].item() in starts:
+            spans.append((offset, offset + size))
+        offset += size
+    positions = torch.arange(qs, n, device=ctx.device)
+    backend = MassBackend(method, pieces, ctx.store.slots(req.blocks, tail, n), positions, spans, skip=tail - qs)
+    ctx.model.forward(torch.tensor(req.prompt_ids[qs:n], device=ctx.device), positions, backend)
+    return backend.mass, capped
+
+
+def newest_pieces(req: ReuseRequest, pending: list[ReusePiece]) -> set[int]:
+    """ids of the pending pieces recomputed whole: the newest reused message, the one right before the
+    own tail (at most a frame's tokens between), and back to the newest reused reply when that starts
+    within NEWEST_SPAN tokens of the tail (a hand-off line often follows it). No ahead-of-time
+    correction can cover that reply: it was still being decoded."""
+    if req.select_from is not None:
+        return set()        # ahead of time: the real request's newest message (a reply) is not known yet
+    last = next((i for i in range(len(pending) - 1, -1, -1) if not pending[i].frame), None)
+    if last is None or req.reuse_end - pending[last].end > MAX_FRAME:
+        return set()
+    reply = next((i for i in range(last, -1, -1) if pending[i].home.decoded), None)
+    if reply is not None and req.reuse_end - pending[reply].start <= NEWEST_SPAN:
+        last = min(last, reply)           # (its frames are recomputed whole anyway)
+    return {id(p) for p in pending[last:]}
+
+
+class MassBackend:
+    """Attention for the selection pass: writes the tail's KV, attends over the gathered view and sums
+    the mass that lands on the pending pieces' keys."""
+
+    def __init__(self, method: CrossAgentMethod, pieces: list, write_slots: torch.Tensor, q_positions: torch.Tensor,
+                 spans: list[tuple[int, int]], skip: int = 0):
+        ctx = method.ctx
+        self.ctx, self.write_slots, self.q_positions, self.spans = ctx, write_slots, q_positions, spans
+        self.skip = skip          # leading queries that sit inside reused pieces: their KV is not written
+        dev = q_positions.device
+        self.view = build_gathered(pieces, ctx.realigner, dev, ctx.store.k.dtype)
+        self.key_positions = torch.cat([p.positions for p in pieces]).to(dev)
+        self.mass = [torch.zeros(b - a, device=dev) for a, b in spans]
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        store = self.ctx.store
+        store.write(layer, self.write_slots, k[self.skip:], v[self.skip:])
+        out, mass = gathered_mass_attention(q, self.q_positions, self.key_positions, self.view,
+                                            store.k[layer], store.v[layer], layer, self.ctx.model.scale)
+        for acc, (a, b) in zip(self.mass, self.spans):
+            acc += mass[a:b]
+        return out
