@@ -1,6 +1,6 @@
 """The package's import graph: no cycles, and every import runs down the layers
 
-    integrations -> engine -> reuse -> model / cache / chat -> errors;  kernels import nothing
+    integrations -> engine -> reuse -> model / cache / chat -> errors, timing;  kernels import nothing
 
 (apps on top: bench, fidelity, demos, cli). Inside reuse, storage is at the bottom, views read it,
 and KVCMAS and the baselines never import each other. Engine code dispatches on no reuse-mode name.
@@ -18,16 +18,18 @@ ROOT = Path(__file__).resolve().parent.parent / "kvcmas_agents"
 PKG = "kvcmas_agents"
 
 # What each top-level part may import of the package (itself always allowed).
+BASE = {"errors", "timing"}          # leaf modules every part may use
 ALLOWED = {
     "errors": set(),
+    "timing": set(),
     "kernels": set(),
-    "model": {"errors"},
-    "cache": {"errors"},
-    "chat": {"errors"},
-    "reuse": {"errors", "kernels", "model", "cache", "chat"},
-    "engine": {"errors", "kernels", "model", "cache", "chat", "reuse"},
-    "registry": {"errors", "model", "engine"},
-    "integrations": {"errors", "model", "chat", "engine", "registry"},
+    "model": BASE,
+    "cache": BASE,
+    "chat": BASE,
+    "reuse": BASE | {"kernels", "model", "cache", "chat"},
+    "engine": BASE | {"kernels", "model", "cache", "chat", "reuse"},
+    "registry": BASE | {"model", "engine"},
+    "integrations": BASE | {"model", "chat", "engine", "registry"},
 }
 APPS = {"bench", "fidelity", "demos", "cli", ""}          # "": the package's __init__
 # Inside reuse: (importer prefix, forbidden prefix).

@@ -42,6 +42,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/results/bench", help="output folder")
     parser.add_argument("--model", default=None, help="checkpoint dir, .gguf, or random:<shape> (GPU speed runs)")
     parser.add_argument("--device", type=device_arg, default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--no-undeclared", action="store_true",
+                        help="skip the replays of none/prefix/kvcmas with no edges and no declarations")
     parser.add_argument("--no-declare", action="store_true",
                         help="do not declare the agents' system prompts to the engines before each replay")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(traces, list(args.methods), sweep, traces[0].name, args.eval_tokens, args.decode == "full",
                       args.throughput_tokens, args.model, args.device,
                       args.kv_budget_mib * 2**20 if args.kv_budget_mib else None, args.dtype,
-                      declare=not args.no_declare)
+                      declare=not args.no_declare, undeclared=not args.no_undeclared)
     result = asyncio.run(run_bench(cfg))
     result["config"]["preset"] = args.preset
     command = "kvcmas bench " + shlex.join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else ""

@@ -23,6 +23,7 @@ class Method:
     reference: str | None = None
     prefetch: bool | None = None
     prefetch_ratio: float | None = None
+    decode_copy: str | None = None
     value_bits: int | None = None
     key_bits: int | None = None
     small_rows: bool | None = None
@@ -34,6 +35,7 @@ class Method:
 
     def _knobs(self) -> dict:
         return {k: getattr(self, k) for k in ("recompute_ratio", "rank", "reference", "prefetch", "prefetch_ratio",
+                                              "decode_copy",
                                               "value_bits", "key_bits", "small_rows", "small_row_bits", "u_head_bits",
                                               "uncorrected_energy", "correction_dtype", "u8_components")
                 if getattr(self, k) is not None}
@@ -49,7 +51,7 @@ class Method:
     @property
     def label(self) -> str:
         short = {"recompute_ratio": "r", "rank": "k", "reference": "ref", "prefetch": "prefetch",
-                 "prefetch_ratio": "pr", "value_bits": "vbits", "key_bits": "kbits",
+                 "prefetch_ratio": "pr", "decode_copy": "copy", "value_bits": "vbits", "key_bits": "kbits",
                  "small_rows": "rows", "small_row_bits": "rbits", "u_head_bits": "hbits", "uncorrected_energy": "faint",
                  "correction_dtype": "dtype",
                  "u8_components": "u8"}
@@ -66,6 +68,8 @@ METHODS: dict[str, Method] = {
     "cacheblend": Method("cacheblend", "cacheblend"),  # CacheBlend at its paper's ~15% (CacheBlendConfig)
     "kvcomm": Method("kvcomm", "kvcomm"),              # anchor pool of full-size offsets
     "kvcmas": Method("kvcmas", "kvcmas"),              # ours, engine-default knobs
+    # ours with each decoding request's view written into its own blocks for the decode (KVCMASConfig.decode_copy)
+    "kvcmas-copy": Method("kvcmas-copy", "kvcmas", decode_copy="auto"),
     # ours with every side factored, small corrections too (StorageSpec.small_rows=False): the ablation
     "kvcmas-svd": Method("kvcmas-svd", "kvcmas", small_rows=False),
     # ours with the values kept as 4-bit rows (StorageSpec.value_bits): fewer bytes, see README

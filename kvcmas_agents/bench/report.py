@@ -18,6 +18,53 @@ def _kl(x: float | None) -> str:
     return f"{x:.1e}" if 0 < x < 1e-3 else f"{x:.4f}"
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}"
+
+
+def headline_table(entry: dict[str, Any]) -> str:
+    """What a user feels, by method: the whole trace's replay time, the decode rate, and TTFT with the
+    agents declared (edges and system prompts registered, as the adapters do) and without (a user who
+    registers nothing), next to peak memory and fidelity. Ratios are against prefix in the same run."""
+    decode = {t["method"]: t["sequential_tok_s"] for t in entry.get("throughput", [])}
+    plain = entry.get("undeclared", {})
+    lines = ["| method | replay of the trace s (vs prefix) | sequential decode tok/s (vs prefix) | TTFT ms declared "
+             "(vs prefix) | at >= 1,400 shared | TTFT ms undeclared (vs prefix) | at >= 1,400 shared | "
+             "peak KV+state MiB (less than kvcomm / prefix) | first-token KL / agreement |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, m in entry["methods"].items():
+        r, f, u = m["ratios"], m["fidelity"], plain.get(name)
+        rate = decode.get(name)
+        rate_ratio = rate / decode["prefix"] if rate and decode.get("prefix") else None
+        ur = u["ratios"] if u else {}
+        lines.append(
+            f"| {m['label']} | {m['wall_s']:.0f} ({_x(r.get('replay_time_vs_prefix'))}) | "
+            f"{'-' if rate is None else f'{rate:.1f}'} ({_x(rate_ratio)}) | {_ms(m['ttft_mean'])} "
+            f"({_x(r.get('ttft_speedup_vs_prefix'))}) | {_ms(m.get('ttft_long_mean'))} "
+            f"({_x(r.get('ttft_long_speedup_vs_prefix'))}) | {_ms(u['ttft_mean']) if u else '-'} "
+            f"({_x(ur.get('ttft_speedup_vs_prefix'))}) | {_ms(u.get('ttft_long_mean')) if u else '-'} "
+            f"({_x(ur.get('ttft_long_speedup_vs_prefix'))}) | {m['memory']['kv_bytes_total_peak'] / MIB:.1f} "
+            f"({_x(r.get('memory_reduction_vs_kvcomm'))} / {_x(r.get('memory_reduction_vs_prefix'))}) | "
+            f"{_kl(f.get('first_token_kl_mean'))} / {f.get('agreement_mean', 0):.2f} |")
+    return "\n".join(lines)
+
+
+PHASE_COLUMNS = ("queue", "ahead", "plan", "select", "recompute", "compress", "correct", "forward", "other")
+
+
+def phase_table(entry: dict[str, Any]) -> str:
+    """Where a later turn's TTFT goes, mean ms by phase (RequestOutput.timings): queue (waiting for
+    admission), ahead (queued ahead-of-time work run before admission), plan, the correction's select /
+    recompute / compress and the rest of it, forward (engine steps carrying the request), other."""
+    rows = [(m["label"], m) for m in entry["methods"].values()]
+    rows += [(f"{m['label']}, undeclared", m) for m in entry.get("undeclared", {}).values()]
+    lines = ["| method | TTFT ms | " + " | ".join(PHASE_COLUMNS) + " |", "|---" * (len(PHASE_COLUMNS) + 2) + "|"]
+    for label, m in rows:
+        ph = m.get("ttft_phases", {})
+        lines.append(f"| {label} | {_ms(m['ttft_mean'])} | " + " | ".join(_ms(ph.get(p)) for p in PHASE_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
 def method_table(name: str, entry: dict[str, Any]) -> str:
     """One row per method: TTFT (later turns), peak memory, fidelity, and ratios to the baselines."""
     lines = [f"Trace `{name}`: {len(entry['turns'])} turns, agents {', '.join(entry['agents'])}; shared history "
@@ -82,6 +129,15 @@ def throughput_table(entry: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def concurrent_memory_table(entry: dict[str, Any]) -> str:
+    lines = ["| method | agents decoding at once | peak KV+state MiB | of which added while they ran | tok/s |",
+             "|---|---|---|---|---|"]
+    for r in entry.get("concurrent_memory", []):
+        lines.append(f"| {r['label']} | {r['agents']} | {r['peak_bytes'] / MIB:.1f} | "
+                     f"{r['peak_over_start_bytes'] / MIB:.1f} | {r['tok_s']:.1f} |")
+    return "\n".join(lines)
+
+
 def markdown(result: dict[str, Any], command: str = "") -> str:
     c = result["config"]
     out = ["# kvcmas bench", "",
@@ -93,12 +149,18 @@ def markdown(result: dict[str, Any], command: str = "") -> str:
            "can reuse another agent's KV). Peak memory is the engine's accounting of KV blocks in use or cached, "
            "plus correction states and anchors, over the whole replay. Ratios come from one run."]
     for name, entry in result["traces"].items():
-        out += ["", f"## {name}", "", method_table(name, entry), "", memory_table(name, entry)]
+        out += ["", f"## {name}", "", "What a user feels (replay time and decode rate against prefix's, TTFT "
+                "with the agents declared and without):", "", headline_table(entry), "",
+                method_table(name, entry), "", memory_table(name, entry), "",
+                "Where a later turn's TTFT goes (mean ms by phase):", "", phase_table(entry)]
         if entry.get("sweep"):
             out += ["", "Knob sweep (kvcmas):", "", sweep_table(entry)]
         if entry.get("throughput"):
             out += ["", "Concurrent decode (the last turn of each of the last agents, run together vs in turn):", "",
                     throughput_table(entry)]
+        if entry.get("concurrent_memory"):
+            out += ["", "Agents decoding at once (the trace's last turns, each its own agent):", "",
+                    concurrent_memory_table(entry)]
     return "\n".join(out) + "\n"
 
 

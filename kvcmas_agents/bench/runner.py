@@ -50,6 +50,7 @@ class BenchConfig:
     dtype: str | None = None          # None: the engine's default (bf16 on CUDA, fp32 on CPU)
     num_threads: int | None = None    # engines' intra-op threads (None: the caller's torch.get_num_threads())
     declare: bool = True              # declare the agents' system prompts first, as the adapters do
+    undeclared: bool = True           # also replay none/prefix/kvcmas with no edges and no declarations
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -57,12 +58,26 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def ttft_summary(turns: list[ReplayTurn]) -> dict[str, float]:
-    """TTFT over the later turns (those that can reuse another agent's KV) and over all turns."""
-    later = [t.ttft_s for t in turns if t.group > 0]
+# Shared history from which a later turn counts as long (the issue's TTFT target is set there).
+LONG_SHARED = 1400
+PHASES = ("queue", "ahead", "plan", "select", "recompute", "compress", "correct", "forward")
+
+
+def ttft_summary(turns: list[ReplayTurn], exact: list[ExactTurn] | None = None) -> dict[str, Any]:
+    """TTFT over the later turns (those that can reuse another agent's KV), over those with at least
+    LONG_SHARED shared tokens, and over all turns; and where the later turns' TTFT went, by phase (mean
+    seconds; "correct" counts only what its select/recompute/compress do not, "other" is the rest)."""
+    later = [t for t in turns if t.group > 0]
+    shared = {t.index: t.shared_tokens for t in exact or []}
+    long = [t.ttft_s for t in later if shared.get(t.index, 0) >= LONG_SHARED]
+    phases = {p: fmean(t.timings.get(p, 0.0) for t in later) for p in PHASES}
+    phases["correct"] -= phases["select"] + phases["recompute"] + phases["compress"]
+    phases["other"] = fmean(t.ttft_s for t in later) - sum(phases.values())
     every = [t.ttft_s for t in turns]
-    return {"ttft_mean": fmean(later), "ttft_p50": median(later), "ttft_p95": _pct(later, 0.95),
-            "ttft_all_mean": fmean(every), "ttft_total": sum(every)}
+    ttfts = [t.ttft_s for t in later]
+    return {"ttft_mean": fmean(ttfts), "ttft_p50": median(ttfts), "ttft_p95": _pct(ttfts, 0.95),
+            "ttft_long_mean": fmean(long) if long else None, "ttft_long_turns": len(long),
+            "ttft_all_mean": fmean(every), "ttft_total": sum(every), "ttft_phases": phases}
 
 
 class _Bench:
@@ -86,11 +101,15 @@ class _Bench:
             await engine.generate(messages, agent=agent, sampling=SamplingParams(max_tokens=2))
         engine.reset_peak()
 
-    async def replay(self, trace: Trace, exact: list[ExactTurn], method: Method) -> dict[str, Any]:
+    async def replay(self, trace: Trace, exact: list[ExactTurn], method: Method,
+                     declared: bool = True) -> dict[str, Any]:
+        """One method's replay of the trace; ``declared=False`` registers no edges and declares nothing,
+        as a user who never calls set_edges or declare_agent would run it."""
         engine = self.engine(method)
         try:
-            engine.set_edges(trace.scenario.edges)
-            if self.cfg.declare:
+            if declared:
+                engine.set_edges(trace.scenario.edges)
+            if declared and self.cfg.declare:
                 declare_systems(engine, trace.scenario)
             await self._warm(engine)
             if self.cuda:
@@ -111,7 +130,8 @@ class _Bench:
         finally:
             await engine.aclose()
         return {"method": method.name, "label": method.label, "reuse": method.reuse, "knobs": asdict(method),
-                "served": served, "wall_s": wall, **ttft_summary(turns), "fidelity": summarize(turns),
+                "declared": declared, "served": served, "wall_s": wall, **ttft_summary(turns, exact),
+                "fidelity": summarize(turns),
                 "memory": memory, "engine": engine_stats, "turns": [t.to_dict() for t in turns]}
 
     async def throughput(self, trace: Trace, exact: list[ExactTurn], method: Method) -> dict[str, Any]:
@@ -145,16 +165,49 @@ class _Bench:
                 "concurrent_tok_s": tokens / conc, "speedup": seq / conc, "max_batch_seqs": batch}
 
 
+    async def concurrent_memory(self, exact: list[ExactTurn], method: Method, agents: int) -> dict[str, Any]:
+        """Peak memory and decode rate while ``agents`` of the trace's last turns decode at once (each its
+        own agent, after one turn that builds its corrections): what per-request state costs with
+        concurrency (a decode copy of each running request's view, for one)."""
+        n = self.cfg.throughput_tokens
+        turns = exact[-agents:]
+        engine = self.engine(method)
+        try:
+            await self._warm(engine)
+            for t in exact[:-1]:                # the history's homes and corrections, as the replay builds them
+                await engine.generate(t.messages, agent=t.agent, sampling=SamplingParams(max_tokens=1))
+            engine.reset_peak()
+            before = engine.stats()["memory"]["total_bytes"]
+            t0 = time.perf_counter()
+            outs = await asyncio.gather(*(engine.generate(t.messages, agent=f"{t.agent}#{i}",
+                                                          sampling=SamplingParams(max_tokens=n, ignore_eos=True))
+                                          for i, t in enumerate(turns)))
+            wall = time.perf_counter() - t0
+            mem = engine.stats()["memory"]
+        finally:
+            await engine.aclose()
+        return {"method": method.name, "label": method.label, "agents": len(turns),
+                "peak_bytes": mem["total_bytes_peak"],
+                "peak_over_start_bytes": mem["total_bytes_peak"] - before,
+                "tok_s": sum(o.usage.completion_tokens for o in outs) / wall}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
 def _ratios(points: Iterable[dict[str, Any]], methods: dict[str, dict[str, Any]]) -> None:
-    """Add TTFT ratios against prefix/none and peak-memory ratios against kvcomm/prefix (the ``methods``
-    of the same run), in place, to each of ``points``."""
-    def ratio(a: float, b: float) -> float | None:
-        return a / b if b else None
+    """Add TTFT and replay-time ratios against prefix/none and peak-memory ratios against kvcomm/prefix
+    (the ``methods`` of the same run), in place, to each of ``points``."""
+    ratio = _ratio
     for m in points:
         peak = m["memory"]["kv_bytes_total_peak"]
         m["ratios"] = {
             f"ttft_speedup_vs_{base}": ratio(methods[base]["ttft_mean"], m["ttft_mean"])
             for base in ("prefix", "none") if base in methods}
+        if "prefix" in methods:
+            m["ratios"]["ttft_long_speedup_vs_prefix"] = ratio(methods["prefix"]["ttft_long_mean"], m["ttft_long_mean"])
+            m["ratios"]["replay_time_vs_prefix"] = ratio(m["wall_s"], methods["prefix"]["wall_s"])
         m["ratios"].update({
             f"memory_reduction_vs_{base}": ratio(methods[base]["memory"]["kv_bytes_total_peak"], peak)
             for base in ("kvcomm", "prefix") if base in methods})
@@ -176,7 +229,8 @@ async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
     result: dict[str, Any] = {"config": {
         "model": cfg.model, "device": cfg.device, "eval_tokens": cfg.eval_tokens, "full_decode": cfg.full_decode,
         "throughput_tokens": cfg.throughput_tokens, "methods": list(cfg.methods),
-        "sweep": [m.label for m in cfg.sweep], "torch_threads": threads, "declare": cfg.declare},
+        "sweep": [m.label for m in cfg.sweep], "torch_threads": threads, "declare": cfg.declare,
+        "undeclared": cfg.undeclared},
         "traces": {}}
     for trace in cfg.traces:
         t0 = time.perf_counter()
@@ -198,6 +252,14 @@ async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
                 f"{m['memory']['kv_bytes_total_peak'] / 2**20:.1f} MiB, first-token KL "
                 f"{f.get('first_token_kl_mean', 0):.3g}, {m['wall_s']:.0f} s")
         _ratios(entry["methods"].values(), entry["methods"])
+        if cfg.undeclared:
+            entry["undeclared"] = {}
+            for name in [n for n in ("none", "prefix", "kvcmas") if n in cfg.methods]:
+                m = await bench.replay(trace, exact, METHODS[name], declared=False)
+                entry["undeclared"][name] = m
+                log(f"[bench] {trace.name}/{name}, undeclared: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, "
+                    f"{m['wall_s']:.0f} s")
+            _ratios(entry["undeclared"].values(), entry["undeclared"])
         if cfg.sweep and trace.name == cfg.sweep_trace:
             entry["sweep"] = []
             for method in cfg.sweep:
@@ -209,7 +271,11 @@ async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
             _ratios(entry["sweep"], entry["methods"])
         if cfg.throughput_tokens and trace is cfg.traces[0]:
             entry["throughput"] = [await bench.throughput(trace, exact, METHODS[n])
-                                   for n in ("prefix", "kvcmas") if n in cfg.methods]
+                                   for n in ("none", "prefix", "kvcmas", "kvcmas-copy") if n in cfg.methods]
+        if cfg.throughput_tokens and trace is cfg.traces[0] and "kvcmas-copy" in cfg.methods:
+            entry["concurrent_memory"] = [await bench.concurrent_memory(exact, METHODS[n], k)
+                                          for k in (1, 4, 8) for n in ("prefix", "kvcmas", "kvcmas-copy")
+                                          if n in cfg.methods]
         result["traces"][trace.name] = entry
     result["timing"] = {"total_s": time.perf_counter() - start}
     return result

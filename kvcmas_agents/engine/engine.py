@@ -84,7 +84,7 @@ class Engine:
                                                          a.head_dim, self.device, self.store.k.dtype)
         ctx = ReuseContext(self.model, self.store, prefix, self.segments, realigner, self.view_path,
                            self.predecessors, self.successors, self._side_request,
-                           self.scheduler.reserve, self.scheduler.release)
+                           self.scheduler.reserve, self.scheduler.release, self.scheduler.take_blocks)
         for name in names():
             cls = method_class(name)
             self.methods[name] = cls(ctx, cls.settings_of(cfg))

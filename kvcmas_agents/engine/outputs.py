@@ -53,6 +53,10 @@ class RequestOutput:
     reuse: str = "none"                   # reuse mode that actually served this request
     prefix_stable: bool = True            # False when the template forced a plain prefill
     logits: list[Any] | None = None       # per generated token fp32 logits, when asked for
+    # Where the time to first token went, in seconds by phase: queue (waiting for admission), plan,
+    # ahead (queued ahead-of-time work run before admission), correct (of which select, recompute,
+    # compress), forward (engine steps carrying the request); the rest of ttft_s is waiting on others.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from ..chat.detokenize import IncrementalDetokenizer
 from ..chat.template import RenderedPrompt
 from ..reuse.options import ReuseOptions
 from ..reuse.pieces import ReusePiece
+from ..timing import Timings
 from .config import SamplingParams
 
 
@@ -50,6 +51,8 @@ class Request:
     stop_reason: str | None = None
     aborted: bool = False
     declare: bool = False                  # Engine.declare_agent's prefill of an agent's system prefix
+    timings: Timings = field(default_factory=Timings)   # seconds by phase until the first token (timing.py)
+    admitted_at: float | None = None
 
     @property
     def prompt_ids(self) -> list[int]:

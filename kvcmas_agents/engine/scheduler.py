@@ -6,6 +6,7 @@ so decode never runs out of KV and nothing needs preemption.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable
@@ -65,6 +66,8 @@ class Scheduler:
                 req.num_computed = req.cached_tokens = req.reused_tokens = 0
                 return
             self.waiting.popleft()
+            req.admitted_at = time.perf_counter()
+            req.timings.add("queue", req.admitted_at - req.arrival)
             req.reserved_blocks = need
             self._promised += need
             self.running.append(req)
@@ -81,6 +84,13 @@ class Scheduler:
         self.ensure_blocks(req, num_tokens)
         return True
 
+    def take_blocks(self, n: int) -> list[int] | None:
+        """``n`` blocks for a running request beyond what it was promised, when they fit next to every
+        promise (evicting unreferenced cached blocks if need be); else None and nothing taken."""
+        if n > self.room:
+            return None
+        return [self.store.allocate() for _ in range(n)]
+
     @property
     def room(self) -> int:
         """Blocks free or evictable that no running request was promised."""
@@ -95,7 +105,8 @@ class Scheduler:
         """Give the request KV it need not compute, before its prefill: its reuse method's plan. A
         prompt whose template is not prefix-stable is prefilled whole."""
         if req.prompt.prefix_stable:
-            self.method_of(req).plan(req)
+            with req.timings.phase("plan"):
+                self.method_of(req).plan(req)
 
     def finish(self, req: Request) -> None:
         """Release a request's KV (running or waiting); cached blocks stay indexed."""

@@ -49,9 +49,7 @@ class Worker:
                 idle_work = any(m.has_idle_work() for m in self.methods.values())
                 if not self._drain_inbox(block=not (sched.has_work() or idle_work)):
                     break
-                agents = {r.agent for r in sched.waiting}
-                for m in self.methods.values():
-                    m.admitting(agents)
+                self._admitting()
                 sched.admit()
                 self._prepare_one()
                 items = sched.schedule()
@@ -86,6 +84,18 @@ class Worker:
             except queue.Empty:
                 return True
 
+    def _admitting(self) -> None:
+        """Work queued for the waiting requests' agents runs before they are admitted (e.g. their own
+        ahead-of-time corrections), so what they reuse does not depend on timing; they wait for it."""
+        waiting = list(self.scheduler.waiting)
+        t0 = time.perf_counter()
+        for m in self.methods.values():
+            m.admitting({r.agent for r in waiting})
+        dt = time.perf_counter() - t0
+        if dt > 1e-4:
+            for r in waiting:
+                r.timings.add("ahead", dt)
+
     def _prepare_one(self) -> None:
         """Let the reuse methods prepare the running requests whose own prefix is computed: at most one
         with real work (a correction) per step, the oldest first, so concurrent requests keep prefilling
@@ -100,7 +110,8 @@ class Worker:
                 busy = busy or work
                 try:
                     self.scheduler.ensure_blocks(req, len(req.prompt_ids))
-                    method.prepare(req)
+                    with req.timings.phase("correct"):
+                        method.prepare(req)
                     req.num_computed = req.reuse_end
                 except Exception as exc:
                     self.fail(req, EngineError(f"correction failed for {req.request_id}: {exc!r}"))
@@ -127,6 +138,8 @@ class Worker:
 
     # --- one step ------------------------------------------------------------------------------
     def _step(self, items: list[StepItem]) -> None:
+        t0 = time.perf_counter()
+        waiting_first = [it.request for it in items if it.request.first_token_at is None]
         try:
             logits = self.runner.run(items)
             results = [(items, logits)]
@@ -138,6 +151,9 @@ class Worker:
                     results.append(([item], self.runner.run([item])))
                 except Exception as exc:
                     self.fail(item.request, EngineError(f"forward failed for {item.request.request_id}: {exc!r}"))
+        dt = time.perf_counter() - t0
+        for req in waiting_first:             # the step's forward, before sampling may finish them
+            req.timings.add("forward", dt)
         self.counters.add("steps")
         self.counters.raise_to("max_batch_seqs", len(items))
         for group, logits in results:
@@ -243,4 +259,4 @@ class Worker:
             stop_reason=req.stop_reason,
             reuse=req.options.reuse if req.prompt.prefix_stable else "none",
             prefix_stable=req.prompt.prefix_stable,
-            logits=req.logits if req.sampling.return_logits else None)
+            logits=req.logits if req.sampling.return_logits else None, timings=dict(req.timings))

@@ -6,6 +6,7 @@ import asyncio
 
 from ..engine import KVCMASConfig, ReuseOptions, StorageSpec
 from ..reuse import names as reuse_modes
+from ..reuse.kvcmas.config import DECODE_COPY
 from ..reuse.options import REFERENCES
 from ..reuse.storage.lowrank import HEAD_BITS
 from ..reuse.storage.quant_rows import BITS as ROW_BITS
@@ -52,6 +53,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="StorageSpec.u8_components: U's components at their head bits, or 'all' (engine default)")
     parser.add_argument("--prefetch-ratio", type=float, default=None,
                         help="KVCMASConfig.prefetch_ratio of ahead-of-time corrections (engine default)")
+    parser.add_argument("--decode-copy", choices=DECODE_COPY, default=None,
+                        help="KVCMASConfig.decode_copy: decode over a copy of the view (engine default)")
     parser.add_argument("--no-declare", action="store_true",
                         help="do not declare the agents' system prompts to the engines before each replay")
     parser.add_argument("--sweep-scenario", default=None, help="scenario of the sweep (default: the first)")
@@ -84,7 +87,8 @@ def storage_of(args: argparse.Namespace) -> StorageSpec:
 
 def settings_of(args: argparse.Namespace) -> KVCMASConfig:
     """The KVCMAS settings of the replays' engines (the knobs of --recompute-ratio etc. apply per run)."""
-    extra = {} if args.prefetch_ratio is None else {"prefetch_ratio": args.prefetch_ratio}
+    extra = {k: v for k, v in (("prefetch_ratio", args.prefetch_ratio), ("decode_copy", args.decode_copy))
+             if v is not None}
     return KVCMASConfig(storage=storage_of(args), **extra)
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import groupby
 
 from ..engine import Engine, RequestOutput, SamplingParams
@@ -25,6 +25,7 @@ class ReplayTurn:
     recomputed_tokens: int
     served: str                  # the reuse mode that actually served the request
     ttft_s: float
+    timings: dict[str, float] = field(default_factory=dict)   # where the TTFT went (RequestOutput.timings)
 
     @property
     def reused_frac(self) -> float:
@@ -45,14 +46,15 @@ class ReplayTurn:
                 "cached_tokens": self.cached_tokens, "reused_tokens": self.reused_tokens,
                 "recomputed_tokens": self.recomputed_tokens, "reused_frac": self.reused_frac,
                 "not_prefilled_frac": self.not_prefilled_frac, "recomputed_frac": self.recomputed_frac,
-                "served": self.served, "ttft_s": self.ttft_s}
+                "served": self.served, "ttft_s": self.ttft_s, "timings": self.timings}
 
 
 def _turn(exact: ExactTurn, out: RequestOutput, n: int) -> ReplayTurn:
     u = out.usage
     return ReplayTurn(exact.index, exact.round, exact.group, exact.agent,
                       turn_metrics(exact.logits[:n], out.logits, exact.tokens[:n]),
-                      u.prompt_tokens, u.cached_tokens, u.reused_tokens, u.recomputed_tokens, out.reuse, out.ttft_s)
+                      u.prompt_tokens, u.cached_tokens, u.reused_tokens, u.recomputed_tokens, out.reuse, out.ttft_s,
+                      dict(out.timings))
 
 
 def forced_tokens(t: ExactTurn, eval_tokens: int, full_decode: bool) -> list[int]:

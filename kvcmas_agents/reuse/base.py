@@ -41,6 +41,7 @@ class ReuseRequest(Protocol):
     declare: bool
     blocks: list[int]                  # KV blocks by position (-1: wholly inside a reused span)
     num_computed: int
+    max_new_tokens: int
     output_ids: list[int]
     cached_tokens: int                 # exact KV it did not compute
     reused_tokens: int                 # KV reused from other contexts, corrected or not
@@ -53,6 +54,7 @@ class ReuseRequest(Protocol):
     registered: bool                   # its own segments are home views
     select_from: int | None            # first selection query (side requests; None: reuse_end)
     view_base: Any                     # attention layout of [0, reuse_end), kept while it decodes
+    timings: Any                       # seconds by phase (``timing.Timings``)
 
     @property
     def prompt_ids(self) -> list[int]: ...
@@ -79,6 +81,7 @@ class ReuseContext:
     side_request: Callable[..., ReuseRequest]            # (request_id, agent, prompt, options, select_from)
     reserve: Callable[[ReuseRequest, int], bool]         # promise and allocate a side request's blocks
     release: Callable[[ReuseRequest], None]              # free them (and the method's pins)
+    take_blocks: Callable[[int], "list[int] | None"] = lambda n: None   # n more blocks for a running request
 
     @property
     def device(self) -> torch.device:

@@ -129,8 +129,9 @@ class CrossAgentMethod(ReuseMethod):
                 on_layer(layer, pos, k_old, v_old, k_new, v_new)
             return None
 
-        recompute(ctx.model, torch.tensor(req.prompt_ids), positions,
-                  lambda layer: gathered_kv(view, ctx.store.k[layer], ctx.store.v[layer], layer), hook)
+        with req.timings.phase("recompute"):
+            recompute(ctx.model, torch.tensor(req.prompt_ids), positions,
+                      lambda layer: gathered_kv(view, ctx.store.k[layer], ctx.store.v[layer], layer), hook)
         return spans
 
     @staticmethod
@@ -185,6 +186,29 @@ class CrossAgentMethod(ReuseMethod):
     def own_piece(self, req: ReuseRequest, start: int, end: int) -> OwnPiece:
         return OwnPiece(self.ctx.store.slots(req.blocks, start, end),
                         torch.arange(start, end, device=self.ctx.device))
+
+    def copy_view(self, req: ReuseRequest) -> bool:
+        """Write the request's view of [0, reuse_end) (realigned, corrected) into blocks of its own, so that
+        its decode steps read plain paged KV instead of the view. The blocks are the request's: counted in
+        KV memory and freed when it ends. False (nothing changed) when they do not fit the budget."""
+        ctx, b = self.ctx, req.reuse_end
+        if not req.pieces or b == 0:
+            return False
+        holes = [i for i, blk in enumerate(req.blocks) if blk < 0]
+        got = ctx.take_blocks(len(holes)) if holes else []
+        if got is None:
+            return False
+        store = ctx.store
+        view = build_gathered(self.pieces_for(req, b), ctx.realigner, ctx.device, store.k.dtype)
+        for i, blk in zip(holes, got):
+            req.blocks[i] = blk
+        dst = store.slots(req.blocks, 0, b)
+        for layer in range(ctx.model.args.num_layers):
+            k, v = gathered_kv(view, store.k[layer], store.v[layer], layer)     # a fresh gather: safe to write back
+            store.write(layer, dst, k, v)
+        self.release(req)                     # the homes are no longer read: unpinned
+        req.own_prefix_end = b                # all of [0, reuse_end) is the request's own KV now
+        return True
 
     # --- home views ------------------------------------------------------------------------------
     def on_computed(self, req: ReuseRequest) -> None:

@@ -43,6 +43,30 @@ def test_every_method_reports_ttft_memory_fidelity_and_ratios(report):
     assert entry["methods"]["prefix"]["ratios"]["ttft_speedup_vs_prefix"] == pytest.approx(1.0)
 
 
+def test_headline_figures_undeclared_replays_and_where_ttft_goes(report):
+    """The figures a user feels are in one run: replay time and decode rate against prefix's, and TTFT
+    with the agents declared and without (no edges, no declarations); and each later turn's TTFT split
+    into phases, the correction's share only where there is a correction."""
+    out, result = report
+    entry = result["traces"]["csv"]
+    methods, plain = entry["methods"], entry["undeclared"]
+    assert set(plain) == {"none", "prefix", "kvcmas"} and not any(m["declared"] for m in plain.values())
+    assert all(m["declared"] for m in methods.values())
+    assert plain["kvcmas"]["engine"]["declared"] == 0 < methods["kvcmas"]["engine"]["declared"]
+    assert (plain["kvcmas"]["engine"]["prefetch"] or {}).get("queued", 0) == 0   # no edges: nothing ahead of time
+    for m in list(methods.values()) + list(plain.values()):
+        assert m["ratios"]["replay_time_vs_prefix"] == pytest.approx(m["wall_s"] / (plain if m in plain.values()
+                                                                                    else methods)["prefix"]["wall_s"])
+        phases = m["ttft_phases"]
+        assert phases["forward"] > 0 and sum(phases.values()) == pytest.approx(m["ttft_mean"])
+    assert methods["prefix"]["ttft_phases"]["recompute"] == 0 < plain["kvcmas"]["ttft_phases"]["recompute"]
+    assert {t["method"] for t in entry["throughput"]} == {"none", "prefix", "kvcmas", "kvcmas-copy"}
+    runs = {(r["method"], r["agents"]) for r in entry["concurrent_memory"]}
+    assert {("kvcmas-copy", 1), ("kvcmas", 1), ("prefix", len(entry["turns"]))} <= runs   # the tiny trace has 3 turns
+    md = (out / "bench.md").read_text()
+    assert "What a user feels" in md and "| kvcmas, undeclared |" in md and "Agents decoding at once" in md
+
+
 def test_exact_modes_are_exact_and_reuse_modes_reuse(report):
     _, result = report
     methods = result["traces"]["csv"]["methods"]

@@ -344,3 +344,18 @@ def test_side_request_reserve_and_release_leave_no_trace():
     check_invariants(s)
     s.finish(running)
     assert s.store.stats().blocks_active == 0 and s._promised == 0
+
+
+def test_take_blocks_gives_only_what_fits_next_to_the_promises():
+    """A running request may take blocks beyond its promise (a decode copy of its view), never ones
+    promised to another."""
+    s = make_sched(num_blocks=8)
+    running = make_req(list(range(BS * 3)), max_new=BS)       # promises 4 blocks
+    s.add(running)
+    s.admit()
+    assert s.take_blocks(5) is None and s.store.stats().blocks_active == 0
+    got = s.take_blocks(4)
+    assert got is not None and len(set(got)) == 4 and s.room == 0
+    for b in got:
+        s.store.decref(b, cached=False)
+    assert s.room == 4

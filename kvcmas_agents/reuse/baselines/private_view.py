@@ -43,8 +43,9 @@ class PrivateCopyMethod(CrossAgentMethod):
             store.write(layer, ctx_slots[pos], k_new, v_new)
             return keep
 
-        recompute(self.ctx.model, torch.tensor(req.prompt_ids), positions,
-                  lambda layer: (store.k[layer][ctx_slots], store.v[layer][ctx_slots]), write)
+        with req.timings.phase("recompute"):
+            recompute(self.ctx.model, torch.tensor(req.prompt_ids), positions,
+                      lambda layer: (store.k[layer][ctx_slots], store.v[layer][ctx_slots]), write)
 
 
 def span_positions(pieces: list[ReusePiece], device: torch.device | str = "cpu") -> torch.Tensor:

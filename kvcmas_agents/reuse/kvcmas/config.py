@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 from ..options import REFERENCES
 from ..storage.spec import StorageSpec
 
+DECODE_COPY: tuple[str, ...] = ("off", "auto")
+DECODE_COPY_MIN = 16        # decode tokens from which "auto" copies a request's view
+
 
 @dataclass
 class KVCMASConfig:
@@ -20,6 +23,10 @@ class KVCMASConfig:
         they are selected before the successor's real tail is known.
     recompute_newest: recompute whole the newest reused message, and the newest reused reply when it
         starts near the tail, on top of recompute_ratio (no ahead-of-time correction covers them).
+    decode_copy: "off" decodes over the corrected view as it is (realigned and corrected on the fly in
+        every step); "auto" writes the view into blocks of the request's own for the length of its decode
+        when it may decode at least DECODE_COPY_MIN tokens and the blocks fit the KV budget (faster decode
+        steps, more KV memory while it runs).
     storage: how corrections are stored (StorageSpec).
     """
 
@@ -29,6 +36,7 @@ class KVCMASConfig:
     prefetch: bool = True
     prefetch_ratio: float = 0.9
     recompute_newest: bool = True
+    decode_copy: str = "off"
     storage: StorageSpec = field(default_factory=StorageSpec)
 
     def __post_init__(self) -> None:
@@ -40,5 +48,7 @@ class KVCMASConfig:
             raise ValueError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
         if not 0.0 <= self.prefetch_ratio <= 1.0:
             raise ValueError(f"prefetch_ratio must be in [0, 1], got {self.prefetch_ratio}")
+        if self.decode_copy not in DECODE_COPY:
+            raise ValueError(f"decode_copy must be one of {DECODE_COPY}, got {self.decode_copy!r}")
         if not isinstance(self.storage, StorageSpec):
             raise ValueError(f"storage must be a StorageSpec, got {self.storage!r}")

@@ -51,7 +51,8 @@ class Corrector:
             p.chain = self._reference_chain(req, p)
         rows: list[torch.Tensor] = []
         if pending:
-            rows, capped = select_rows(self.method, req, pending, self.newest_whole)
+            with req.timings.phase("select"):
+                rows, capped = select_rows(self.method, req, pending, self.newest_whole)
             self.selections_capped += capped
         self._recompute(req, pending, rows, new)
 
@@ -89,8 +90,14 @@ class Corrector:
         self.method.recompute_over_view(req, sel, capture)
         for p in new:
             p.pending = False
-        if not pending:
-            return
+        if pending:
+            with req.timings.phase("compress"):
+                self._compress(req, pending, rows, dks, dvs)
+
+    def _compress(self, req: ReuseRequest, pending: list[ReusePiece], rows: list[torch.Tensor],
+                  dks: dict[int, list], dvs: dict[int, list]) -> None:
+        """Store each pending piece's deviation (per layer [KVH, R, D]) as StorageSpec says."""
+        m = self.ctx.model
         full = req.options.recompute_ratio >= 1.0
         rank = m.args.head_dim if full else req.options.rank            # ratio 1.0 keeps the exact deviation
         dk = [torch.stack(dks[id(p)]) for p in pending]                 # [L, KVH, R_i, D] each

@@ -9,7 +9,7 @@ from ..base import ReuseContext, ReuseRequest
 from ..cross_agent import CrossAgentMethod
 from ..pieces import ReusePiece
 from ..registry import register
-from .config import KVCMASConfig
+from .config import DECODE_COPY_MIN, KVCMASConfig
 from .correction import Corrector
 from .prefetch import Prefetcher
 
@@ -26,6 +26,7 @@ class KVCMAS(CrossAgentMethod):
         s = self.settings
         self.corrector = Corrector(self, s.storage, s.recompute_newest)
         self.prefetcher = Prefetcher(self, s.prefetch_ratio) if s.prefetch else None
+        self.decode_copies = self.decode_copy_blocks = 0
 
     @classmethod
     def settings_of(cls, config: Any) -> KVCMASConfig:
@@ -47,6 +48,12 @@ class KVCMAS(CrossAgentMethod):
         super().on_computed(req)
         if first and self.prefetcher is not None:
             self.prefetcher.observe(req)
+        if first and self.settings.decode_copy == "auto" and not req.declare \
+                and req.max_new_tokens - 1 >= DECODE_COPY_MIN:
+            holes = sum(1 for b in req.blocks if b < 0)
+            if self.copy_view(req):
+                self.decode_copies += 1
+                self.decode_copy_blocks += holes
 
     # --- ahead-of-time corrections ---------------------------------------------------------------
     def admitting(self, agents: set[str]) -> None:
@@ -71,5 +78,6 @@ class KVCMAS(CrossAgentMethod):
             "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent,
             "rows_dropped": c.rows_dropped, "layers_dropped": c.layers_dropped,
             "selections_capped": c.selections_capped,
+            "decode_copies": self.decode_copies, "decode_copy_blocks": self.decode_copy_blocks,
             "prefetch": asdict(self.prefetcher.stats) if self.prefetcher is not None else None,
         }
