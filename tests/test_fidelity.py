@@ -120,6 +120,7 @@ def test_no_declare_option():
     parser = argparse.ArgumentParser()
     add_args(parser)
     assert parser.parse_args(["--no-declare"]).no_declare and not parser.parse_args([]).no_declare
+    assert parser.parse_args(["--no-edges"]).no_edges and not parser.parse_args([]).no_edges
 
 
 # --- a tiny run on the real model ----------------------------------------------------------------

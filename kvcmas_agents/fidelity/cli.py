@@ -55,6 +55,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="KVCMASConfig.prefetch_ratio of ahead-of-time corrections (engine default)")
     parser.add_argument("--decode-copy", choices=DECODE_COPY, default=None,
                         help="KVCMASConfig.decode_copy: decode over a copy of the view (engine default)")
+    parser.add_argument("--no-edges", action="store_true",
+                        help="do not register the scenarios' edge order with the engines (with --no-declare: "
+                             "an engine that nobody told anything)")
     parser.add_argument("--no-declare", action="store_true",
                         help="do not declare the agents' system prompts to the engines before each replay")
     parser.add_argument("--sweep-scenario", default=None, help="scenario of the sweep (default: the first)")
@@ -105,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         knobs=ReuseOptions(recompute_ratio=args.recompute_ratio, rank=args.rank, reference=args.reference),
         reply_tokens=args.reply_tokens or preset["reply_tokens"], eval_tokens=args.eval_tokens or preset["eval_tokens"],
         sweep=sweep, model=args.model, device=args.device, full_decode=args.decode == "full",
-        settings=settings_of(args), declare=not args.no_declare))
+        settings=settings_of(args), declare=not args.no_declare, edges=not args.no_edges))
     result["config"]["quick"] = args.quick
     paths = write_report(result, args.out)
     print(summary_table(result), "", history_table(result), sep="\n")

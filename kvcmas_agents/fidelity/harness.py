@@ -45,10 +45,11 @@ class _Runner:
     """Builds fresh engines (one per mode and knob setting) and times each replay."""
 
     def __init__(self, model: str | None, device: str, knobs: ReuseOptions, log: Log, full_decode: bool = True,
-                 settings: KVCMASConfig | None = None, threads: int | None = None, declare: bool = True):
+                 settings: KVCMASConfig | None = None, threads: int | None = None, declare: bool = True,
+                 edges: bool = True):
         self.model, self.device, self.knobs, self.log = model, device, knobs, log
         self.full_decode, self.settings, self.threads = full_decode, settings or KVCMASConfig(), threads
-        self.declare = declare
+        self.declare, self.edges = declare, edges
 
     def engine(self, reuse: str, knobs: ReuseOptions | None = None) -> Engine:
         k = knobs or self.knobs
@@ -61,7 +62,8 @@ class _Runner:
                      knobs: ReuseOptions | None = None) -> tuple[list[ReplayTurn], dict[str, Any], float]:
         engine = self.engine(reuse, knobs)
         try:
-            engine.set_edges(scenario.edges)
+            if self.edges:
+                engine.set_edges(scenario.edges)
             if self.declare:
                 declare_systems(engine, scenario)
             t0 = time.perf_counter()
@@ -78,7 +80,8 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
                        knobs: ReuseOptions | None = None, reply_tokens: int = 64, eval_tokens: int = 64,
                        sweep: SweepGrid | None = None, sanity_eval_tokens: int = 8, model: str | None = None,
                        device: str = "cpu", log: Log = _stderr, full_decode: bool = True,
-                       settings: KVCMASConfig | None = None, declare: bool = True) -> dict[str, Any]:
+                       settings: KVCMASConfig | None = None, declare: bool = True,
+                       edges: bool = True) -> dict[str, Any]:
     """Measure each reuse mode against the exact run of the same prompts; return a JSON-able dict.
 
     Per scenario: an exact ``reuse="none"`` pass with greedy replies of ``reply_tokens``; then, per mode,
@@ -87,11 +90,12 @@ async def run_fidelity(scenarios: Sequence[Scenario], modes: Sequence[str] = ("n
     replayed turn decodes its whole exact reply, as an agent does. ``sweep`` replays one of the
     scenarios over a recompute_ratio x rank grid of kvcmas settings. ``settings`` are the engines'
     KVCMAS settings (default: KVCMASConfig()), which ``knobs`` and the sweep override.
-    ``declare`` declares the agents' system prompts to each replay's engine first, as the adapters do.
+    ``declare`` declares the agents' system prompts to each replay's engine first, as the adapters do;
+    ``edges`` registers the scenario's edge order (without either, nothing is corrected ahead of time).
     """
     # Scoring runs on this thread; one-threaded, it starts no second OpenMP team beside the engine's.
     with single_threaded_caller() as threads:
-        runner = _Runner(model, device, knobs or ReuseOptions(), log, full_decode, settings, threads, declare)
+        runner = _Runner(model, device, knobs or ReuseOptions(), log, full_decode, settings, threads, declare, edges)
         return await _run(runner, scenarios, modes, reply_tokens, eval_tokens, sweep, sanity_eval_tokens)
 
 
@@ -102,7 +106,7 @@ async def _run(runner: _Runner, scenarios: Sequence[Scenario], modes: Sequence[s
     result: dict[str, Any] = {"config": {
         "model": runner.model, "device": runner.device, "reply_tokens": reply_tokens, "eval_tokens": eval_tokens,
         "sanity_eval_tokens": sanity_eval_tokens, "modes": list(modes), "knobs": asdict(runner.knobs),
-        "full_decode": runner.full_decode, "declare": runner.declare, "settings": asdict(runner.settings),
+        "full_decode": runner.full_decode, "declare": runner.declare, "edges": runner.edges, "settings": asdict(runner.settings),
         "sweep": asdict(sweep) if sweep else None, "kl_units": "nats", "torch_threads": runner.threads},
         "scenarios": {}}
     for scenario in scenarios:
