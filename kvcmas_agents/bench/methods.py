@@ -21,7 +21,7 @@ class Method:
     recompute_ratio: float | None = None
     rank: int | None = None
     reference: str | None = None
-    prefetch: bool | None = None
+    prefetch: bool | str | None = None
     prefetch_ratio: float | None = None
     decode_copy: str | None = None
     value_bits: int | None = None
@@ -70,6 +70,10 @@ METHODS: dict[str, Method] = {
     "kvcmas": Method("kvcmas", "kvcmas"),              # ours, engine-default knobs
     # ours with each decoding request's view written into its own blocks for the decode (KVCMASConfig.decode_copy)
     "kvcmas-copy": Method("kvcmas-copy", "kvcmas", decode_copy="auto"),
+    # ours with ahead-of-time corrections only while the engine idles (KVCMASConfig.prefetch="idle")
+    "kvcmas-idle": Method("kvcmas-idle", "kvcmas", prefetch="idle"),
+    # both: what runs ahead of time never delays a decode step, and decode steps read plain KV
+    "kvcmas-idle-copy": Method("kvcmas-idle-copy", "kvcmas", prefetch="idle", decode_copy="auto"),
     # ours with every side factored, small corrections too (StorageSpec.small_rows=False): the ablation
     "kvcmas-svd": Method("kvcmas-svd", "kvcmas", small_rows=False),
     # ours with the values kept as 4-bit rows (StorageSpec.value_bits): fewer bytes, see README

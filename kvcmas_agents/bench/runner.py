@@ -254,7 +254,7 @@ async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
         _ratios(entry["methods"].values(), entry["methods"])
         if cfg.undeclared:
             entry["undeclared"] = {}
-            for name in [n for n in ("none", "prefix", "kvcmas") if n in cfg.methods]:
+            for name in [n for n in ("none", "prefix", "kvcmas", "kvcmas-copy") if n in cfg.methods]:
                 m = await bench.replay(trace, exact, METHODS[name], declared=False)
                 entry["undeclared"][name] = m
                 log(f"[bench] {trace.name}/{name}, undeclared: TTFT mean {m['ttft_mean'] * 1e3:.0f} ms, "
@@ -271,7 +271,8 @@ async def _run(cfg: BenchConfig, log: Log, threads: int) -> dict[str, Any]:
             _ratios(entry["sweep"], entry["methods"])
         if cfg.throughput_tokens and trace is cfg.traces[0]:
             entry["throughput"] = [await bench.throughput(trace, exact, METHODS[n])
-                                   for n in ("none", "prefix", "kvcmas", "kvcmas-copy") if n in cfg.methods]
+                                   for n in ("none", "prefix", "kvcmas", "kvcmas-copy", "kvcmas-idle-copy")
+                                   if n in cfg.methods]
         if cfg.throughput_tokens and trace is cfg.traces[0] and "kvcmas-copy" in cfg.methods:
             entry["concurrent_memory"] = [await bench.concurrent_memory(exact, METHODS[n], k)
                                           for k in (1, 4, 8) for n in ("prefix", "kvcmas", "kvcmas-copy")

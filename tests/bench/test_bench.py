@@ -50,7 +50,7 @@ def test_headline_figures_undeclared_replays_and_where_ttft_goes(report):
     out, result = report
     entry = result["traces"]["csv"]
     methods, plain = entry["methods"], entry["undeclared"]
-    assert set(plain) == {"none", "prefix", "kvcmas"} and not any(m["declared"] for m in plain.values())
+    assert set(plain) == {"none", "prefix", "kvcmas", "kvcmas-copy"} and not any(m["declared"] for m in plain.values())
     assert all(m["declared"] for m in methods.values())
     assert plain["kvcmas"]["engine"]["declared"] == 0 < methods["kvcmas"]["engine"]["declared"]
     assert (plain["kvcmas"]["engine"]["prefetch"] or {}).get("queued", 0) == 0   # no edges: nothing ahead of time
@@ -60,7 +60,7 @@ def test_headline_figures_undeclared_replays_and_where_ttft_goes(report):
         phases = m["ttft_phases"]
         assert phases["forward"] > 0 and sum(phases.values()) == pytest.approx(m["ttft_mean"])
     assert methods["prefix"]["ttft_phases"]["recompute"] == 0 < plain["kvcmas"]["ttft_phases"]["recompute"]
-    assert {t["method"] for t in entry["throughput"]} == {"none", "prefix", "kvcmas", "kvcmas-copy"}
+    assert {t["method"] for t in entry["throughput"]} == {"none", "prefix", "kvcmas", "kvcmas-copy", "kvcmas-idle-copy"}
     runs = {(r["method"], r["agents"]) for r in entry["concurrent_memory"]}
     assert {("kvcmas-copy", 1), ("kvcmas", 1), ("prefix", len(entry["turns"]))} <= runs   # the tiny trace has 3 turns
     md = (out / "bench.md").read_text()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from ..options import REFERENCES
 from ..storage.spec import StorageSpec
 
+PREFETCH: tuple[str, ...] = ("off", "idle", "decode")
 DECODE_COPY: tuple[str, ...] = ("off", "auto")
 DECODE_COPY_MIN = 16        # decode tokens from which "auto" copies a request's view
 
@@ -18,7 +19,10 @@ class KVCMASConfig:
         chosen by the attention mass the prompt's tail puts on them (1.0 is exact).
     rank: SVD rank of each correction, per layer and KV head.
     reference: "home" corrects the exact home view; "chain" the graph predecessor's corrected view.
-    prefetch: correct the shared segments for an agent's graph successors ahead of time, while it decodes.
+    prefetch: correct the shared segments for an agent's graph successors ahead of time: "decode" while
+        other requests decode (between their steps) and, if still queued, right before the successor's
+        request is admitted; "idle" only while no request runs or waits (a successor that arrives first
+        corrects inline); "off" never. True and False mean "decode" and "off".
     prefetch_ratio: recompute ratio of those ahead-of-time corrections (at least recompute_ratio):
         they are selected before the successor's real tail is known.
     recompute_newest: recompute whole the newest reused message, and the newest reused reply when it
@@ -33,7 +37,7 @@ class KVCMASConfig:
     recompute_ratio: float = 0.5
     rank: int = 40
     reference: str = "home"
-    prefetch: bool = True
+    prefetch: str = "decode"
     prefetch_ratio: float = 0.9
     recompute_newest: bool = True
     decode_copy: str = "off"
@@ -48,6 +52,10 @@ class KVCMASConfig:
             raise ValueError(f"reference must be one of {REFERENCES}, got {self.reference!r}")
         if not 0.0 <= self.prefetch_ratio <= 1.0:
             raise ValueError(f"prefetch_ratio must be in [0, 1], got {self.prefetch_ratio}")
+        if isinstance(self.prefetch, bool):
+            self.prefetch = "decode" if self.prefetch else "off"
+        if self.prefetch not in PREFETCH:
+            raise ValueError(f"prefetch must be one of {PREFETCH} (or a bool), got {self.prefetch!r}")
         if self.decode_copy not in DECODE_COPY:
             raise ValueError(f"decode_copy must be one of {DECODE_COPY}, got {self.decode_copy!r}")
         if not isinstance(self.storage, StorageSpec):

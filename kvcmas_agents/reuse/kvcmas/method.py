@@ -25,7 +25,7 @@ class KVCMAS(CrossAgentMethod):
         super().__init__(ctx, settings or KVCMASConfig())
         s = self.settings
         self.corrector = Corrector(self, s.storage, s.recompute_newest)
-        self.prefetcher = Prefetcher(self, s.prefetch_ratio) if s.prefetch else None
+        self.prefetcher = Prefetcher(self, s.prefetch_ratio) if s.prefetch != "off" else None
         self.decode_copies = self.decode_copy_blocks = 0
 
     @classmethod
@@ -57,13 +57,19 @@ class KVCMAS(CrossAgentMethod):
 
     # --- ahead-of-time corrections ---------------------------------------------------------------
     def admitting(self, agents: set[str]) -> None:
-        if self.prefetcher is not None:       # an agent's own queued prefetch runs before its request
+        if self.prefetcher is None:
+            return
+        if self.settings.prefetch == "idle":
+            self.prefetcher.drop_for(agents)
+        else:                                 # an agent's own queued prefetch runs before its request
             self.prefetcher.run_for(agents)
 
     def has_idle_work(self) -> bool:
         return self.prefetcher is not None and self.prefetcher.has_work()
 
     def idle(self, busy: set[str]) -> None:
+        if busy and self.settings.prefetch == "idle":
+            return                            # requests are running: wait until none does
         self.prefetcher.run_one(busy)
 
     # --- accounting ------------------------------------------------------------------------------

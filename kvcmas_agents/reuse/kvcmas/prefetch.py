@@ -115,6 +115,13 @@ class Prefetcher:
         for agent in [a for a in self._queue if a in agents]:
             self._run(self._queue.pop(agent))
 
+    def drop_for(self, agents: set[str]) -> None:
+        """Drop the queued prefetches of these agents (their real requests arrived first: correcting the
+        real prompt inline costs less than a prediction at the prefetch ratio)."""
+        for agent in [a for a in self._queue if a in agents]:
+            del self._queue[agent]
+            self.stats.skipped += 1
+
     def run_one(self, busy: set[str]) -> None:
         """Run the oldest queued prefetch; one whose agent is already busy is dropped."""
         agent, req = self._queue.popitem(last=False)

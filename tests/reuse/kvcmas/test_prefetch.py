@@ -224,3 +224,50 @@ async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_q
     finally:
         for e in (engine, exact):
             await e.aclose()
+
+
+async def test_idle_prefetch_waits_for_an_idle_engine_and_yields_to_the_real_request(histories):
+    """prefetch="idle": ahead-of-time work never runs between a request's decode steps; it runs once
+    nothing runs, and a successor whose request arrives first drops it and corrects inline."""
+    import asyncio
+
+    engine = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch="idle")))
+    engine.set_edges(EDGES)
+    try:
+        planner, coder = list(SYSTEM)[:2]
+        await engine.generate(prompt(coder, histories[0][1]), agent=coder, sampling=FIRST)   # coder's prefix known
+        # The planner decodes 16 tokens: its successor's prefetch is queued but waits for the engine to idle.
+        await engine.generate(prompt(planner, histories[1][0]), agent=planner,
+                              sampling=SamplingParams(max_tokens=16, ignore_eos=True))
+        pf = engine.stats()["reuse"]["kvcmas"]["prefetch"]
+        assert pf["queued"] >= 1 and pf["corrections"] == 0
+        for _ in range(200):                  # idle now: it runs
+            pf = engine.stats()["reuse"]["kvcmas"]["prefetch"]
+            if pf["corrections"]:
+                break
+            await asyncio.sleep(0.05)
+        assert pf["corrections"] == 1
+        # A successor that arrives while its prefetch is still queued (its predecessor still decodes)
+        # drops it and corrects inline.
+        engine.set_edges([("planner2", coder)])
+        before = dict(engine.stats()["reuse"]["kvcmas"]["prefetch"])
+        lead = asyncio.ensure_future(engine.generate(prompt(planner, histories[1][1]), agent="planner2",
+                                                     sampling=SamplingParams(max_tokens=48, ignore_eos=True)))
+        for _ in range(400):
+            if engine.stats()["reuse"]["kvcmas"]["prefetch"]["queued"] > before["queued"]:
+                break
+            await asyncio.sleep(0.01)
+        out = await engine.generate(prompt(coder, histories[1][1]), agent=coder, sampling=FIRST)
+        await lead
+        after = engine.stats()["reuse"]["kvcmas"]["prefetch"]
+        assert after["queued"] == before["queued"] + 1 and after["skipped"] == before["skipped"] + 1
+        assert after["corrections"] == before["corrections"] and out.usage.recomputed_tokens > 0
+        assert engine.stats()["counters"]["failed"] == 0
+    finally:
+        await engine.aclose()
+
+
+def test_prefetch_modes_are_checked():
+    assert KVCMASConfig(prefetch=True).prefetch == "decode" and KVCMASConfig(prefetch=False).prefetch == "off"
+    with pytest.raises(ValueError, match="prefetch"):
+        KVCMASConfig(prefetch="always")
