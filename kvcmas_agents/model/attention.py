@@ -38,6 +38,13 @@ def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) ->
     return grouped_attention(q, k, v, scale, visible)[0]
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw) -> torch.Tensor:
+    """F.scaled_dot_product_attention over [heads, n, D] tensors, given a batch dimension: PyTorch's
+    fused kernels (flash attention on CPU too) take only 4-D inputs, and 3-D ones fall back to the
+    math path, which materializes every score (on CPU about 6x slower for a 1,700-token prefill)."""
+    return F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), **kw).squeeze(0)
+
+
 # Rows recomputed inside a reused range attend in chunks of queries, each chunk's keys cut at its last
 # row, so the causal upper half is never scored (a full [rows, ctx] mask scores it and masks it out:
 # about twice the work over a long view).
@@ -53,9 +60,8 @@ def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
         pos = positions[s:s + chunk]
         hi = min(int(pos.max()) + 1, k.shape[0])
         visible = torch.arange(hi, device=q.device).unsqueeze(0) <= pos.unsqueeze(1)
-        out = F.scaled_dot_product_attention(q[s:s + chunk].transpose(0, 1), k[:hi].transpose(0, 1),
-                                             v[:hi].transpose(0, 1), attn_mask=visible, scale=scale,
-                                             enable_gqa=True)
+        out = _sdpa(q[s:s + chunk].transpose(0, 1), k[:hi].transpose(0, 1), v[:hi].transpose(0, 1),
+                    attn_mask=visible, scale=scale, enable_gqa=True)
         outs.append(out.transpose(0, 1))
     return torch.cat(outs) if outs else q.new_zeros(q.shape)
 
@@ -70,12 +76,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
         return _grouped(q, k, v, scale)
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     if n == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
+        out = _sdpa(qh, kh, vh, scale=scale, enable_gqa=True)
     elif n == ctx:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+        out = _sdpa(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
     else:
         # Query j sits at position ctx - n + j and sees every key up to it.
         rows = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
         mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = _sdpa(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
