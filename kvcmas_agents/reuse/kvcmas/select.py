@@ -16,7 +16,10 @@ from ..views.gather import build_gathered, gathered_mass_attention
 from ..views.reference import SegmentPiece
 
 
-NEWEST_SPAN = 256       # how far back from the tail the newest reused reply is recomputed whole
+# How far back from the tail rows are recomputed whole as the newest reused message (and the reply
+# before a hand-off). Past it a long newest message (a pasted document, a long code block) is ranked by
+# attention mass like older history: recomputing it whole would cost as much as prefilling it.
+NEWEST_SPAN = 256
 # Selection queries are at most the prompt's last SELECT_MAX tokens. A long new message as the tail (a
 # tool's output, a pasted document) would otherwise make selection a second pass over all of it, with
 # every query's attention mass kept. A cut tail's last tokens then attend to the reused view and to
@@ -29,18 +32,19 @@ def select_rows(method: CrossAgentMethod, req: ReuseRequest, pending: list[Reuse
     """Rows (local to each pending piece) to recompute, and whether the queries were cut to SELECT_MAX.
 
     Frames are recomputed whole on top of the ratio: they were new text, computed in full, before they
-    had homes, and are few tokens. So is the newest reused message (``newest_pieces``)."""
+    had homes, and are few tokens. So is the newest reused message, up to NEWEST_SPAN tokens back from
+    the tail (``forced_rows``)."""
     total = sum(p.end - p.start for p in pending)
     whole = newest_pieces(req, pending) if newest_whole and req.options.recompute_ratio > 0 else set()
-    whole |= {id(p) for p in pending if p.frame}
-    forced = sum(p.end - p.start for p in pending if id(p) in whole)
+    forced_of = [forced_rows(req, p, id(p) in whole) for p in pending]
+    forced = sum(int(f.sum()) for f in forced_of)
     k = round(req.options.recompute_ratio * (total - forced)) + forced
     if k >= total:
         return [torch.arange(p.end - p.start) for p in pending], False
     if k == 0:
         return [torch.arange(0) for _ in pending], False
     mass, capped = attention_mass(method, req, pending)
-    mass = torch.cat([m.fill_(float("inf")) if id(p) in whole else m for p, m in zip(pending, mass)])
+    mass = torch.cat([m.masked_fill(f.to(m.device), float("inf")) for m, f in zip(mass, forced_of)])
     top = torch.topk(mass, k).indices.sort().values
     out, offset = [], 0
     for p in pending:
@@ -48,6 +52,17 @@ def select_rows(method: CrossAgentMethod, req: ReuseRequest, pending: list[Reuse
         out.append((top[(top >= offset) & (top < offset + size)] - offset).cpu())
         offset += size
     return out, capped
+
+
+def forced_rows(req: ReuseRequest, piece: ReusePiece, newest: bool) -> torch.Tensor:
+    """Mask [n] of a pending piece's rows recomputed whatever their mass: all of a frame's, and a newest
+    piece's within NEWEST_SPAN tokens of the reused part's end."""
+    n = piece.end - piece.start
+    if piece.frame:
+        return torch.ones(n, dtype=torch.bool)
+    if not newest:
+        return torch.zeros(n, dtype=torch.bool)
+    return torch.arange(piece.start, piece.end) >= req.reuse_end - NEWEST_SPAN
 
 
 def attention_mass(method: CrossAgentMethod, req: ReuseRequest, pending: list[ReusePiece]) -> tuple[list[torch.Tensor],
@@ -78,10 +93,10 @@ def attention_mass(method: CrossAgentMethod, req: ReuseRequest, pending: list[Re
 
 
 def newest_pieces(req: ReuseRequest, pending: list[ReusePiece]) -> set[int]:
-    """ids of the pending pieces recomputed whole: the newest reused message, the one right before the
-    own tail (at most a frame's tokens between), and back to the newest reused reply when that starts
-    within NEWEST_SPAN tokens of the tail (a hand-off line often follows it). No ahead-of-time
-    correction can cover that reply: it was still being decoded."""
+    """ids of the pending pieces recomputed whole (up to NEWEST_SPAN tokens back, ``forced_rows``): the
+    newest reused message, the one right before the own tail (at most a frame's tokens between), and
+    back to the newest reused reply when that starts within NEWEST_SPAN tokens of the tail (a hand-off
+    line often follows it). No ahead-of-time correction can cover that reply: it was still being decoded."""
     if req.select_from is not None:
         return set()        # ahead of time: the real request's newest message (a reply) is not known yet
     last = next((i for i in range(len(pending) - 1, -1, -1) if not pending[i].frame), None)

@@ -354,6 +354,41 @@ async def test_the_newest_reused_message_is_recomputed_whole(engine):
     assert rec_on > rec_off
 
 
+async def test_a_long_newest_message_is_recomputed_whole_only_near_the_tail(engine, monkeypatch):
+    """A newest reused message longer than NEWEST_SPAN (a long code block): only its rows within
+    NEWEST_SPAN tokens of the tail are forced; its earlier rows compete by attention mass like older
+    history's. The request still lands close to exact."""
+    from kvcmas_agents.reuse.kvcmas import correction, select
+
+    history = await conversation(engine, turns=1)
+    code = "\n".join(f"def step_{i}(rows):\n    return [r for r in rows if r.region == 'r{i % 7}' and r.amount > {i}]"
+                     for i in range(16))
+    history.append({"role": "user", "content": "[coder]\n```python\n" + code + "\n```"})
+    picked = []
+
+    def spy(method, req, pending, newest_whole):
+        rows, capped = select.select_rows(method, req, pending, newest_whole)
+        picked.append((req.reuse_end, [(p.start, p.end) for p in pending], rows))
+        return rows, capped
+
+    monkeypatch.setattr(correction, "select_rows", spy)
+    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, recompute_ratio=0.25)))
+    try:
+        await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
+        out = await eng.generate(prompt("coder", history), agent="coder", sampling=FIRST)
+    finally:
+        eng.close()
+    (end, spans, rows), = picked
+    (start, stop), newest = max(zip(spans, rows), key=lambda sr: sr[0][0])
+    assert stop - start > 2 * select.NEWEST_SPAN
+    chosen = set((start + newest).tolist())
+    assert set(range(max(start, end - select.NEWEST_SPAN), stop)) <= chosen    # the last NEWEST_SPAN: all
+    assert len(chosen) < (stop - start) * 0.75                                # the rest: by mass
+    exact = await engine.generate(prompt("coder", history), agent="coder", sampling=FIRST,
+                                  reuse_options=ReuseOptions(reuse="none"))
+    assert kl(exact.logits[0], out.logits[0]) < 0.01
+
+
 async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection_queries):
     """A later agent whose own tail is a long new message (a tool's output): the selection pass runs
     only the prompt's last SELECT_MAX tokens, not a second pass over the whole tail, and the request
