@@ -164,12 +164,14 @@ async def one_round(mode: str, kvcmas: KVCMASConfig) -> dict[str, dict]:
 
 
 async def run(rounds: int, variants: dict[str, tuple[str, KVCMASConfig]]) -> dict:
+    """Each variant (name -> (reuse mode, KVCMAS settings); one must be "prefix", the exact reference)
+    over ``rounds`` fresh engines, rounds interleaved."""
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, (mode, cfg) in variants.items():
             runs[name].append(await one_round(mode, cfg))
     exact = runs["prefix"][0]
-    result: dict = {"history_tokens": None, "rounds": rounds, "modes": {}}
+    result: dict = {"rounds": rounds, "modes": {}}
     for name, rs in runs.items():
         agents = {}
         for agent in LATER:
@@ -183,7 +185,8 @@ async def run(rounds: int, variants: dict[str, tuple[str, KVCMASConfig]]) -> dic
                              "same_top1": bool(exact[agent]["logits"].argmax() == first["logits"].argmax())}
         mean = statistics.mean(a["ttft_s"] for a in agents.values())
         result["modes"][name] = {"agents": agents, "ttft_mean_s": mean}
-        result["history_tokens"] = result["history_tokens"] or max(a["reused_tokens"] for a in agents.values()) or None
+    # the shared history, as the reusing modes saw it (prefix reuses nothing across agents)
+    result["history_tokens"] = max(a["reused_tokens"] for m in result["modes"].values() for a in m["agents"].values())
     base = result["modes"]["prefix"]["ttft_mean_s"]
     for m in result["modes"].values():
         m["speedup_vs_prefix"] = base / m["ttft_mean_s"]
