@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 
 
-# On CPU, SDPA with enable_gqa is 1.3-2.5x slower than plain grouped matmuls for decode-sized queries
-# (SmolLM2 shapes, 2 threads); longer queries keep SDPA's fused kernel.
+# Up to this many queries on CPU, attention runs as grouped matmuls. They were chosen against SDPA's
+# math path (3-D inputs, see _sdpa); against the fused kernel they are even for one query and slower
+# for 4-64 (docs/speed.md), so this branch is a candidate for removal once a bench confirms it.
 SMALL_QUERY = 64
 
 
