@@ -28,7 +28,7 @@ def _text(line: str, tokens: int) -> str:
     return "\n".join(line.format(i=i, m=i % 5, t=10 + i % 37, d=i % 11) for i in range(max(1, tokens // 22)))
 
 
-async def run(shared_tokens: int, tail_tokens: int) -> dict:
+async def run(shared_tokens: int, tail_tokens: int, recompute_ratio: float | None = None) -> dict:
     shared = [{"role": "user", "content": "Task: find why the service is slow.\n"
                + _text("Note {i}: the service reads queue q{m} and writes table t{d} after {t} ms.", shared_tokens)},
               {"role": "user", "content": "Round 1: look at the logs below."}]
@@ -37,7 +37,8 @@ async def run(shared_tokens: int, tail_tokens: int) -> dict:
     result: dict = {"shared_tokens": shared_tokens, "tail_tokens": tail_tokens, "modes": {}}
     ref = None
     for mode in ("none", "prefix", "kvcmas"):
-        engine = Engine(EngineConfig(reuse=mode, kvcmas=KVCMASConfig(prefetch=False)))
+        knobs = {} if recompute_ratio is None else {"recompute_ratio": recompute_ratio}
+        engine = Engine(EngineConfig(reuse=mode, kvcmas=KVCMASConfig(prefetch=False, **knobs)))
         try:
             await engine.generate([{"role": "system", "content": SYSTEM["a"]}] + shared, agent="a", sampling=FIRST)
             out = await engine.generate([{"role": "system", "content": SYSTEM["b"]}] + shared + tail, agent="b",
@@ -49,8 +50,9 @@ async def run(shared_tokens: int, tail_tokens: int) -> dict:
         result["modes"][mode] = {
             "ttft_s": out.ttft_s, "vs_none": ref.ttft_s / out.ttft_s, "prompt_tokens": out.usage.prompt_tokens,
             "reused_tokens": out.usage.reused_tokens, "recomputed_tokens": out.usage.recomputed_tokens,
-            "selections_capped": stats["reuse"]["kvcmas"]["selections_capped"], "first_token_kl": kl(ref.logits[0],
-                                                                                                     out.logits[0])}
+            "selections_capped": stats["reuse"]["kvcmas"]["selections_capped"],
+            "selections_skipped": stats["reuse"]["kvcmas"]["selections_skipped"],
+            "first_token_kl": kl(ref.logits[0], out.logits[0])}
     return result
 
 

@@ -126,7 +126,7 @@ class _Bench:
             served = sorted({t.served for t in turns})
             engine_stats = {k: stats.get(k) for k in ("anchors", "anchor_hits", "anchor_misses", "corrections",
                                                       "correction_rows_dropped", "correction_layers_dropped",
-                                                      "selections_capped", "home_views", "prefetch", "declared")}
+                                                      "selections_capped", "selections_skipped", "home_views", "prefetch", "declared")}
         finally:
             await engine.aclose()
         return {"method": method.name, "label": method.label, "reuse": method.reuse, "knobs": asdict(method),

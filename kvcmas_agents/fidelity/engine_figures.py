@@ -25,7 +25,8 @@ def engine_figures(stats: dict[str, Any]) -> dict[str, Any]:
         "correction_basis_bytes": kvcmas.get("correction_basis_bytes", 0),
         "correction_rows_dropped": kvcmas.get("rows_dropped", 0),
         "correction_layers_dropped": kvcmas.get("layers_dropped", 0),
-        "selections_capped": kvcmas.get("selections_capped", 0), "prefetch": kvcmas.get("prefetch"),
+        "selections_capped": kvcmas.get("selections_capped", 0),
+        "selections_skipped": kvcmas.get("selections_skipped", 0), "prefetch": kvcmas.get("prefetch"),
         "anchors": kvcomm.get("anchors", 0), "anchor_bytes": kvcomm.get("anchor_bytes", 0),
         "anchor_hits": kvcomm.get("hits", 0), "anchor_misses": kvcomm.get("misses", 0),
     }

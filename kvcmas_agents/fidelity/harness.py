@@ -19,7 +19,7 @@ STAT_KEYS = ("reuse", "recompute_ratio", "rank", "reference", "prefetch_ratio", 
              "correction_dtype", "u8_components", "small_row_bits", "u_head_bits", "uncorrected_energy",
              "correction_layers_dropped", "home_views", "home_view_bytes", "corrections", "correction_bytes",
              "kv_bytes_peak", "kv_bytes_total_peak", "template_fallbacks", "realign_refusals", "prefetch",
-             "selections_capped")
+             "selections_capped", "selections_skipped")
 Log = Callable[[str], None]
 
 

@@ -40,6 +40,7 @@ class Corrector:
         self.layers_dropped = 0        # leading layers past UNCORRECTED_LAYERS not stored, summed over requests
         self.rows_dropped = 0          # recomputed rows whose deviation was too faint to store
         self.selections_capped = 0     # selection passes cut to the prompt's last SELECT_MAX tokens
+        self.selections_skipped = 0    # passes not run: they would have spared fewer rows than they cost
 
     @torch.inference_mode()
     def correct(self, req: ReuseRequest) -> None:
@@ -52,8 +53,9 @@ class Corrector:
         rows: list[torch.Tensor] = []
         if pending:
             with req.timings.phase("select"):
-                rows, capped = select_rows(self.method, req, pending, self.newest_whole)
-            self.selections_capped += capped
+                rows, how = select_rows(self.method, req, pending, self.newest_whole)
+            self.selections_capped += how == "capped"
+            self.selections_skipped += how == "skipped"
         self._recompute(req, pending, rows, new)
 
     def _reference_chain(self, req: ReuseRequest, piece: ReusePiece) -> list[LowRankDelta]:

@@ -83,7 +83,7 @@ class KVCMAS(CrossAgentMethod):
             "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
             "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent,
             "rows_dropped": c.rows_dropped, "layers_dropped": c.layers_dropped,
-            "selections_capped": c.selections_capped,
+            "selections_capped": c.selections_capped, "selections_skipped": c.selections_skipped,
             "decode_copies": self.decode_copies, "decode_copy_blocks": self.decode_copy_blocks,
             "prefetch": asdict(self.prefetcher.stats) if self.prefetcher is not None else None,
         }

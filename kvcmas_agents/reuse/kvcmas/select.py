@@ -28,21 +28,29 @@ SELECT_MAX = 512
 
 
 def select_rows(method: CrossAgentMethod, req: ReuseRequest, pending: list[ReusePiece],
-                newest_whole: bool) -> tuple[list[torch.Tensor], bool]:
-    """Rows (local to each pending piece) to recompute, and whether the queries were cut to SELECT_MAX.
+                newest_whole: bool) -> tuple[list[torch.Tensor], str]:
+    """Rows (local to each pending piece) to recompute, and how they were chosen: "ratio" (the pass ran),
+    "capped" (it ran on the prompt's last SELECT_MAX tokens), "all" (the ratio and the forced rows leave
+    none out), "skipped" (every row: the pass would cost more than it spares) or "none".
 
     Frames are recomputed whole on top of the ratio: they were new text, computed in full, before they
     had homes, and are few tokens. So is the newest reused message, up to NEWEST_SPAN tokens back from
-    the tail (``forced_rows``)."""
+    the tail (``forced_rows``). The pass is a forward of its queries over the whole view, and a query
+    costs about what a recomputed row costs; so when it would spare no more rows than it has queries
+    (a short new segment corrected ahead of time at a high ratio), every row is recomputed instead:
+    cheaper, and exact where the ratio would have approximated."""
     total = sum(p.end - p.start for p in pending)
     whole = newest_pieces(req, pending) if newest_whole and req.options.recompute_ratio > 0 else set()
     forced_of = [forced_rows(req, p, id(p) in whole) for p in pending]
     forced = sum(int(f.sum()) for f in forced_of)
     k = round(req.options.recompute_ratio * (total - forced)) + forced
-    if k >= total:
-        return [torch.arange(p.end - p.start) for p in pending], False
     if k == 0:
-        return [torch.arange(0) for _ in pending], False
+        return [torch.arange(0) for _ in pending], "none"
+    if k >= total:
+        return [torch.arange(p.end - p.start) for p in pending], "all"
+    qs, _ = selection_queries(req)
+    if total - k <= len(req.prompt_ids) - qs:
+        return [torch.arange(p.end - p.start) for p in pending], "skipped"
     mass, capped = attention_mass(method, req, pending)
     mass = torch.cat([m.masked_fill(f.to(m.device), float("inf")) for m, f in zip(mass, forced_of)])
     top = torch.topk(mass, k).indices.sort().values
@@ -51,7 +59,7 @@ def select_rows(method: CrossAgentMethod, req: ReuseRequest, pending: list[Reuse
         size = p.end - p.start
         out.append((top[(top >= offset) & (top < offset + size)] - offset).cpu())
         offset += size
-    return out, capped
+    return out, "capped" if capped else "ratio"
 
 
 def forced_rows(req: ReuseRequest, piece: ReusePiece, newest: bool) -> torch.Tensor:
@@ -71,12 +79,7 @@ def attention_mass(method: CrossAgentMethod, req: ReuseRequest, pending: list[Re
     those were cut to the prompt's last SELECT_MAX tokens."""
     ctx = method.ctx
     b, n = req.reuse_end, len(req.prompt_ids)
-    # Queries: the own tail, or from req.select_from on (an ahead-of-time correction also queries the
-    # last reused message, since the real tail is not known yet); only the tail's own KV is written.
-    qs = min(req.select_from, b) if req.select_from is not None else b
-    capped = qs < n - SELECT_MAX
-    if capped:
-        qs = n - SELECT_MAX
+    qs, capped = selection_queries(req)
     tail = max(qs, b)                          # own keys [tail, n) follow the reused view [0, b)
     pieces = method.pieces_for(req, b, include_new=False) + ([method.own_piece(req, tail, n)] if n > tail else [])
     spans, offset = [], 0                      # where each pending piece's keys sit in the view
@@ -90,6 +93,15 @@ def attention_mass(method: CrossAgentMethod, req: ReuseRequest, pending: list[Re
     backend = MassBackend(method, pieces, ctx.store.slots(req.blocks, tail, n), positions, spans, skip=tail - qs)
     ctx.model.forward(torch.tensor(req.prompt_ids[qs:n], device=ctx.device), positions, backend)
     return backend.mass, capped
+
+
+def selection_queries(req: ReuseRequest) -> tuple[int, bool]:
+    """Where the selection queries start, and whether they were cut to the prompt's last SELECT_MAX
+    tokens. They are the own tail, or from req.select_from on (an ahead-of-time correction also queries
+    the last reused message, since the real tail is not known yet)."""
+    b, n = req.reuse_end, len(req.prompt_ids)
+    qs = min(req.select_from, b) if req.select_from is not None else b
+    return (n - SELECT_MAX, True) if qs < n - SELECT_MAX else (qs, False)
 
 
 def newest_pieces(req: ReuseRequest, pending: list[ReusePiece]) -> set[int]:

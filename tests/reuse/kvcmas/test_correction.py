@@ -396,10 +396,14 @@ async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection
     from kvcmas_agents.reuse.kvcmas import select
 
     history = await conversation(engine, turns=2)
+    # Shared notes long enough that the pass spares more rows than its SELECT_MAX queries cost.
+    notes = "\n".join(f"Note {i}: table t{i % 9} keeps column c{i} as {('int', 'text', 'date')[i % 3]}, "
+                      f"indexed when {i} is even." for i in range(40))
+    history.insert(1, {"role": "user", "content": "Design notes:\n" + notes})
     log = "\n".join(f"Log {i}: worker w{i % 5} processed batch b{i} in {10 + i % 37} ms, status ok."
                     for i in range(60))
     later = history + [{"role": "user", "content": "Tool output:\n" + log}]
-    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, recompute_ratio=0.25)))
     try:
         await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
         out = await eng.generate(prompt("coder", later), agent="coder", sampling=FIRST)

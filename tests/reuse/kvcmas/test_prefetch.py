@@ -203,7 +203,10 @@ async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_q
     doc = "\n".join(f"Step {i}: the service svc_{i} reads queue q{i % 7}, checks amount_{i} against "
                     f"limit {100 + 17 * i} and retries {1 + i % 3} times." for i in range(40))
     shared = [{"role": "user", "content": TASK + "\n\nDesign notes:\n" + doc}]
-    engine, exact = Engine(EngineConfig(reuse="kvcmas")), Engine(EngineConfig(reuse="none"))
+    # At the default prefetch_ratio (0.9) the pass would spare fewer rows than SELECT_MAX queries cost,
+    # and be skipped (next test); at 0.5 it runs.
+    engine = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch_ratio=0.5)))
+    exact = Engine(EngineConfig(reuse="none"))
     try:
         engine.set_edges(EDGES[:1])
         for agent in ("planner", "coder"):
@@ -221,6 +224,40 @@ async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_q
         assert out.usage.reused_tokens > first.usage.prompt_tokens // 2
         assert out.usage.recomputed_tokens < len(first.token_ids) + 32
         assert kl(ref.logits[0], out.logits[0]) < 0.05
+    finally:
+        for e in (engine, exact):
+            await e.aclose()
+
+
+async def test_a_prefetch_that_would_spare_few_rows_recomputes_them_all_without_a_selection_pass(
+        histories, selection_queries):
+    """Round 2's prefetches correct a short new segment at prefetch_ratio 0.9 with stand-in queries
+    reaching back over the newest known message: the selection pass would cost more queries than the
+    rows it spares, so every pending row is recomputed and no pass runs for them."""
+    from kvcmas_agents.reuse.kvcmas import select
+
+    ranked = []
+    real_mass = select.attention_mass
+
+    def spy(method, req, pending):
+        ranked.append(req.select_from is not None)          # True: an ahead-of-time correction's pass
+        return real_mass(method, req, pending)
+
+    engine, exact = Engine(EngineConfig(reuse="kvcmas")), Engine(EngineConfig(reuse="none"))
+    try:
+        engine.set_edges(EDGES)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(select, "attention_mass", spy)
+            outs = await play(engine, histories)
+        ref = await play(exact, histories)
+        stats = engine.stats()["reuse"]["kvcmas"]
+        assert stats["prefetch"]["corrections"] >= 2 and stats["prefetch"]["failed"] == 0
+        assert stats["selections_skipped"] >= stats["prefetch"]["corrections"]
+        assert not any(ranked)                    # no ahead-of-time correction ran a pass
+        assert len(selection_queries) == len(ranked)
+        for i in (4, 5):                          # the prefetched turns: nothing left to correct inline
+            assert outs[i].usage.reused_tokens > 0
+            assert kl(ref[i].logits[0], outs[i].logits[0]) < 0.01
     finally:
         for e in (engine, exact):
             await e.aclose()
