@@ -121,10 +121,13 @@ def sweep_table(entry: dict[str, Any]) -> str:
 
 
 def throughput_table(entry: dict[str, Any]) -> str:
-    lines = ["| engine reuse | agents | tokens each | sequential tok/s | concurrent tok/s | speedup | max batch |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| engine reuse | agents | tokens each | sequential tok/s | of which after the first token | "
+             "concurrent tok/s | speedup | max batch |",
+             "|---|---|---|---|---|---|---|---|"]
     for t in entry.get("throughput", []):
+        only = t.get("sequential_decode_only_tok_s")
         lines.append(f"| {t['method']} | {len(t['agents'])} | {t['tokens_per_agent']} | {t['sequential_tok_s']:.1f} | "
+                     f"{'-' if only is None else f'{only:.1f}'} | "
                      f"{t['concurrent_tok_s']:.1f} | {t['speedup']:.2f}x | {t['max_batch_seqs']} |")
     return "\n".join(lines)
 

@@ -149,8 +149,7 @@ class _Bench:
             for t in turns:                     # prime each agent's caches so both runs mostly decode
                 await engine.generate(t.messages, agent=t.agent, sampling=SamplingParams(max_tokens=1))
             t0 = time.perf_counter()
-            for t in turns:
-                await engine.generate(t.messages, agent=t.agent, sampling=sampling)
+            seq_outs = [await engine.generate(t.messages, agent=t.agent, sampling=sampling) for t in turns]
             seq = time.perf_counter() - t0
             t0 = time.perf_counter()
             outs = await asyncio.gather(*(engine.generate(t.messages, agent=t.agent, sampling=sampling)
@@ -160,8 +159,13 @@ class _Bench:
         finally:
             await engine.aclose()
         tokens = sum(o.usage.completion_tokens for o in outs)
+        # The steps after each first token only: what decoding over the request's view costs, without
+        # its setup (plan, correction, the prompt's forward) or ahead-of-time work run before it.
+        after_first = sum(o.usage.completion_tokens - 1 for o in seq_outs)
+        decode_s = sum(o.latency_s - o.ttft_s for o in seq_outs)
         return {"method": method.name, "agents": [t.agent for t in turns], "tokens_per_agent": n,
                 "sequential_s": seq, "concurrent_s": conc, "sequential_tok_s": tokens / seq,
+                "sequential_decode_only_tok_s": after_first / decode_s if decode_s > 0 else None,
                 "concurrent_tok_s": tokens / conc, "speedup": seq / conc, "max_batch_seqs": batch}
 
 

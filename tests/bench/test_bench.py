@@ -106,6 +106,7 @@ def test_sweep_and_throughput(report):
     assert f"| {point['ratios']['memory_reduction_vs_kvcomm']:.2f}x |" in row
     for t in entry["throughput"]:
         assert t["concurrent_tok_s"] > 0 and t["sequential_tok_s"] > 0 and t["max_batch_seqs"] >= 2
+        assert t["sequential_decode_only_tok_s"] > 0
 
 
 def test_sweep_options_replace_the_presets_axes():
