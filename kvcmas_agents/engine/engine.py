@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import math
 import threading
+import time
 import uuid
 from typing import Any, AsyncIterator, Iterable
 
@@ -19,7 +21,7 @@ from ..cache.kv_store import KVStore
 from ..cache.prefix_cache import PrefixCache
 from ..chat.detokenize import IncrementalDetokenizer
 from ..chat.template import ChatFormatter, RenderedPrompt
-from ..errors import EngineClosedError, EngineError, InvalidRequestError
+from ..errors import ConfigError, EngineClosedError, EngineError, InvalidRequestError, RequestTimeoutError
 from ..model.llama import LlamaModel
 from ..model.loader import load_model
 from ..model.sampling import make_generator
@@ -35,6 +37,20 @@ from .scheduler import Scheduler
 from .sinks import LoopSink, ThreadSink
 from .stats import Counters
 from .worker import ABORT, ADD, CLOSE, Worker
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _build_error(exc: BaseException) -> BaseException:
+    """The engine's own error for a failed build: bad values (ValueError from the loader, e.g. an unknown
+    dtype or a CUDA device on a CPU host) become ConfigError; ours and the rest pass as they are."""
+    if isinstance(exc, ValueError) and not isinstance(exc, (ConfigError, InvalidRequestError)):
+        err = ConfigError(str(exc))
+        err.__cause__ = exc
+        return err
+    return exc
 
 
 class Engine:
@@ -144,14 +160,25 @@ class Engine:
     def generate_sync(self, messages: list[dict], agent: str = "default",
                       sampling: SamplingParams | None = None, tools: list[dict] | None = None,
                       tool_choice: Any = None, request_id: str | None = None,
-                      reuse_options: ReuseOptions | None = None) -> RequestOutput:
-        """Blocking ``generate`` for synchronous callers (any thread, no event loop needed)."""
+                      reuse_options: ReuseOptions | None = None, timeout: float | None = None) -> RequestOutput:
+        """Blocking ``generate`` for synchronous callers (any thread, no event loop needed).
+
+        timeout: seconds to wait for the whole request; past it the request is aborted (its KV freed) and
+        RequestTimeoutError is raised. None waits as long as it takes.
+        """
+        if timeout is not None and not (_is_number(timeout) and timeout > 0):
+            raise InvalidRequestError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         sink = ThreadSink()
         req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink, reuse_options)
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._submit(req)
         try:
             while True:
-                event = sink.get()
+                try:
+                    event = sink.get(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+                except queue.Empty:
+                    raise RequestTimeoutError(f"request {req.request_id} did not finish within {timeout} s; "
+                                              "it was aborted") from None
                 if isinstance(event, BaseException):
                     raise event
                 if event.output is not None:
@@ -248,7 +275,8 @@ class Engine:
                        "kv_bytes_cached": kv.blocks_cached * kv.block_bytes, "kv_bytes_peak": kv.kv_bytes_peak,
                        "home_view_bytes": home_bytes, "state_bytes": state, "total_bytes": kv.kv_bytes + state,
                        "total_bytes_peak": max(self.worker.peak_total, kv.kv_bytes + state)},
-            "counters": {**counts, "num_running": len(self.scheduler.running),
+            "counters": {**counts, "budget_fallbacks": self.scheduler.budget_fallbacks,
+                         "num_running": len(self.scheduler.running),
                          "num_waiting": len(self.scheduler.waiting)},
             "reuse": {"home_views": {"count": home.homes, "tokens": home.home_tokens, "bytes": home_bytes,
                                      "evicted": home.evicted},
@@ -330,7 +358,7 @@ class Engine:
             self._build()
             self.num_threads = torch.get_num_threads()
         except BaseException as exc:        # re-raised by __init__ in the caller's thread
-            built["error"] = exc
+            built["error"] = _build_error(exc)
             return
         finally:
             ready.set()

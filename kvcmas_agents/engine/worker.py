@@ -37,6 +37,7 @@ class Worker:
         self.tokenizer, self.tok_lock, self.stop_token_ids = tokenizer, tok_lock, stop_token_ids
         self.counters, self.inbox = counters, inbox
         self.peak_total = 0
+        scheduler.reject = self.fail
 
     def method(self, req: Request) -> ReuseMethod:
         return self.methods[req.options.reuse]
@@ -257,6 +258,6 @@ class Worker:
             tool_calls=parsed.tool_calls if parsed else [],
             invalid_tool_calls=parsed.invalid_tool_calls if parsed else [],
             stop_reason=req.stop_reason,
-            reuse=req.options.reuse if req.prompt.prefix_stable else "none",
+            reuse=req.options.reuse if req.prompt.prefix_stable and not req.exact_fallback else "none",
             prefix_stable=req.prompt.prefix_stable,
             logits=req.logits if req.sampling.return_logits else None, timings=dict(req.timings))
