@@ -12,6 +12,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import ConfigError
+
 
 class OutOfBlocksError(RuntimeError):
     """No free or evictable block is left."""
@@ -44,11 +46,16 @@ class KVStore:
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
         self.num_blocks = budget_bytes // self.block_bytes
         if self.num_blocks < 1:
-            raise ValueError(f"kv_budget_bytes={budget_bytes} is smaller than one block ({self.block_bytes} bytes)")
+            raise ConfigError(f"kv_budget_bytes={budget_bytes} is smaller than one block ({self.block_bytes} bytes)")
         shape = (num_layers, self.num_blocks * block_size, num_kv_heads, head_dim)
         # torch.empty does not touch pages on CPU, so an unused budget costs no resident memory.
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        try:
+            self.k = torch.empty(shape, device=device, dtype=dtype)
+            self.v = torch.empty(shape, device=device, dtype=dtype)
+        except RuntimeError as exc:      # torch.OutOfMemoryError is one
+            self.k = self.v = None
+            raise ConfigError(f"kv_budget_bytes={budget_bytes} ({self.num_blocks} blocks) cannot be allocated on "
+                              f"{device}: {str(exc).splitlines()[0]}") from None
         self.ref = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()   # cached (unreferenced, indexed) blocks

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvcmas_agents.cache.kv_store import KVStore, OutOfBlocksError
+from kvcmas_agents.errors import ConfigError
 
 LAYERS, KVH, HD, BS = 2, 2, 4, 4
 BLOCK_BYTES = 2 * LAYERS * BS * KVH * HD * 4          # fp32
@@ -35,6 +36,11 @@ def test_budget_smaller_than_one_block_raises():
     with pytest.raises(ValueError, match="smaller than one block"):
         KVStore(LAYERS, KVH, HD, BS, BLOCK_BYTES - 1, torch.device("cpu"), torch.float32)
     KVStore(LAYERS, KVH, HD, BS, BLOCK_BYTES, torch.device("cpu"), torch.float32)   # exactly one is fine
+
+
+def test_budget_that_cannot_be_allocated_raises_config_error():
+    with pytest.raises(ConfigError, match="cannot be allocated"):
+        KVStore(LAYERS, KVH, HD, BS, 10**15, torch.device("cpu"), torch.float32)     # a petabyte
 
 
 def test_allocate_incref_decref_transitions():
