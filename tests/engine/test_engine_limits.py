@@ -6,7 +6,7 @@ import time
 import pytest
 
 from kvcmas_agents import Engine, EngineConfig, RequestTimeoutError, ReuseOptions, SamplingParams
-from kvcmas_agents.errors import InvalidRequestError
+from kvcmas_agents.errors import ConfigError, InvalidRequestError
 
 BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4       # SmolLM2-135M, fp32, 16-token blocks
 HISTORY = [{"role": "user", "content": " ".join(f"word{i}" for i in range(108))}]     # ~330 tokens
@@ -61,3 +61,48 @@ def test_generate_sync_timeout_aborts_the_request(engine_prefix):
 def test_generate_sync_rejects_bad_timeouts(engine_prefix, timeout):
     with pytest.raises(InvalidRequestError, match="timeout"):
         engine_prefix.generate_sync([{"role": "user", "content": "Hi"}], timeout=timeout)
+
+
+def test_dropped_engines_stop_their_worker_and_free_their_model():
+    """Engines dropped without close() are collected: their finalizer stops the worker thread."""
+    import gc
+    import threading
+    import weakref
+
+    gc.collect()
+    before = threading.active_count()
+    weights = []
+    for _ in range(3):
+        engine = Engine(EngineConfig(reuse="kvcmas", num_threads=1))
+        engine.generate_sync([{"role": "user", "content": "Hi"}], sampling=SamplingParams(max_tokens=2), timeout=60)
+        weights.append(weakref.ref(engine.model.w["model.embed_tokens.weight"]))
+        thread = engine._thread
+        del engine
+        gc.collect()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    assert threading.active_count() == before
+    gc.collect()
+    assert all(w() is None for w in weights)
+
+
+@pytest.mark.parametrize("kwargs", [{"kv_budget_bytes": 10**15}, {"dtype": "float8"}, {"device": "cuda:7"}])
+def test_engine_build_errors_are_config_errors(kwargs):
+    if kwargs.get("device") and __import__("torch").cuda.device_count() > 7:
+        pytest.skip("this host has a cuda:7")
+    with pytest.raises(ConfigError):
+        Engine(EngineConfig(reuse="prefix", **kwargs))
+
+
+@pytest.mark.parametrize("sampling", [
+    {"temperature": float("nan")}, {"temperature": float("inf")}, {"max_tokens": True}, {"top_k": 2.5},
+    {"stop": 7}, {"seed": "1"}, "greedy", {"temperature": "hot"},
+])
+def test_bad_sampling_is_an_invalid_request(engine_prefix, sampling):
+    before = engine_prefix.stats()["counters"]["requests"]
+    bad = SamplingParams(**sampling) if isinstance(sampling, dict) else sampling
+    with pytest.raises(InvalidRequestError):
+        engine_prefix.generate_sync([{"role": "user", "content": "Hi"}], sampling=bad)
+    with pytest.raises(InvalidRequestError):
+        engine_prefix.generate_sync([{"role": "user", "content": "Hi"}], reuse_options={"reuse": "none"})
+    assert engine_prefix.stats()["counters"]["requests"] == before
