@@ -37,7 +37,7 @@ class Scheduler:
         self.store = store
         self.prefix = prefix
         self.method_of = method_of     # the reuse method serving a request
-        self.reclaim = reclaim         # drops the least recently used home view; False when none can go
+        self.reclaim = reclaim         # frees budget (LRU state, then home views); False when nothing can go
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._promised = 0           # reserved-but-unallocated blocks over running requests
@@ -117,6 +117,11 @@ class Scheduler:
         if n > self.room:
             return None
         return [self.store.allocate() for _ in range(n)]
+
+    @property
+    def promised(self) -> int:
+        """Blocks promised to running requests and not yet allocated."""
+        return self._promised
 
     @property
     def room(self) -> int:

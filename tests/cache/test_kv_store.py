@@ -180,3 +180,19 @@ def test_write_lands_in_the_mapped_slots():
     assert torch.equal(store.v[1, slots], -k)
     gathered = store.k[1][store.slots(blocks, 2, 6)]
     assert torch.equal(gathered, k)
+
+
+def test_state_charge_takes_cached_blocks_first_and_bounds_allocation():
+    store = make_store(4)
+    a, b, c = store.allocate(), store.allocate(), store.allocate()
+    store.decref(b, cached=True)
+    store.decref(c, cached=True)                  # 1 active, 2 cached, 1 free
+    store.charge_state(2)                         # 2 blocks' worth of state: one cached block must go
+    assert state(store) == (1, 1, 1) and store.num_available == 1
+    assert store.stats().blocks_active + store.stats().blocks_cached + store.state_blocks <= store.num_blocks
+    store.allocate()                              # the last block the budget allows (evicting the cached one)
+    assert state(store) == (2, 0, 0)
+    with pytest.raises(OutOfBlocksError):
+        store.allocate()
+    store.charge_state(0)
+    assert store.num_available == 2 and store.blocks_of(store.block_bytes + 1) == 2

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kvcmas_agents import Engine, EngineConfig, RequestTimeoutError, ReuseOptions, SamplingParams
+from kvcmas_agents import Engine, EngineConfig, KVCMASConfig, RequestTimeoutError, ReuseOptions, SamplingParams
 from kvcmas_agents.errors import ConfigError, InvalidRequestError
 
 BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4       # SmolLM2-135M, fp32, 16-token blocks
@@ -106,3 +106,28 @@ def test_bad_sampling_is_an_invalid_request(engine_prefix, sampling):
     with pytest.raises(InvalidRequestError):
         engine_prefix.generate_sync([{"role": "user", "content": "Hi"}], reuse_options={"reuse": "none"})
     assert engine_prefix.stats()["counters"]["requests"] == before
+
+
+def test_one_budget_bounds_blocks_and_corrections():
+    """Corrections are charged to kv_budget_bytes and evicted least recently used first: at rest, KV blocks
+    and corrections together stay within the budget, however many agents correct the shared history."""
+    engine = Engine(EngineConfig(reuse="kvcmas", kv_budget_bytes=16 * BLOCK_BYTES,
+                                 kvcmas=KVCMASConfig(prefetch="off")))
+    budget = engine.config.kv_budget_bytes
+    history = [{"role": "user", "content": "We are building a small command-line todo app in Python. " * 6},
+               {"role": "assistant", "content": "It needs add, list and done commands, stored in a JSON file. " * 5}]
+    try:
+        for i in range(4):
+            messages = [{"role": "system", "content": f"You are agent {i}, role {i * 7}."}, *history]
+            out = engine.generate_sync(messages, agent=f"a{i}", sampling=SamplingParams(max_tokens=2), timeout=120)
+            assert out.finish_reason in ("stop", "length") and (i == 0 or out.usage.reused_tokens > 0)
+            end = time.monotonic() + 10
+            while engine.stats()["memory"]["total_bytes"] > budget and time.monotonic() < end:
+                time.sleep(0.05)
+            mem = engine.stats()["memory"]
+            assert mem["total_bytes"] <= budget, (i, mem)
+        st = engine.stats()
+        assert st["reuse"]["kvcmas"]["corrections_evicted"] >= 1
+        assert st["memory"]["total_bytes_peak"] <= budget + st["memory"]["state_over_budget_bytes"]
+    finally:
+        engine.close()
