@@ -76,6 +76,7 @@ class SegmentStore:
         # Least recently used first: corrections are dropped in that order when the KV budget needs room.
         self._corrections: OrderedDict[tuple[str, tuple[int, ...], int, int], Correction] = OrderedDict()
         self.corrections_evicted = 0
+        self._bytes: int | None = None           # correction_bytes, cached until the corrections change
         self._decoded: dict[tuple[int, ...], list[HomeView]] = {}    # first DECODE_KEY tokens -> homes
         self.evicted = 0
         self.is_cached: Callable[[int], bool] = lambda block: False   # prefix-cache membership
@@ -135,6 +136,7 @@ class SegmentStore:
         key = (corr.agent, tokens, corr.start, context)
         self._corrections[key] = corr
         self._corrections.move_to_end(key)
+        self._bytes = None
 
     def evict_correction(self) -> bool:
         """Drop the least recently used correction no request reads; False when none can go. (A request
@@ -142,6 +144,7 @@ class SegmentStore:
         for key, corr in self._corrections.items():
             if corr.users == 0:
                 del self._corrections[key]
+                self._bytes = None
                 self.corrections_evicted += 1
                 return True
         return False
@@ -173,6 +176,7 @@ class SegmentStore:
                     self.packer.released(b)
                 for ck in [ck for ck in self._corrections if ck[1] == key]:
                     del self._corrections[ck]
+                    self._bytes = None
                 self.evicted += 1
                 return True
         return False
@@ -199,8 +203,10 @@ class SegmentStore:
     @property
     def correction_bytes(self) -> int:
         """Bytes of all correction states held (own and chained); a tensor shared by several corrections
-        (a joint basis, a predecessor's state in a chain) counts once."""
-        return unique_nbytes(self._held())
+        (a joint basis, a predecessor's state in a chain) counts once. The worker reads it every step."""
+        if self._bytes is None:
+            self._bytes = unique_nbytes(self._held())
+        return self._bytes
 
     @property
     def home_blocks(self) -> set[int]:
