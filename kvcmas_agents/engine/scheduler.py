@@ -72,7 +72,6 @@ class Scheduler:
                 if self.running:
                     return
                 req.exact_fallback = True
-                self.budget_fallbacks += 1
                 need = self._fit(req)
                 if need > self.room:
                     self.waiting.popleft()
@@ -81,6 +80,7 @@ class Scheduler:
                         f"request {req.request_id} needs {need} KV blocks but only {self.room} of "
                         f"{self.store.num_blocks} can be freed with nothing else running"))
                     continue
+                self.budget_fallbacks += 1
             self.waiting.popleft()
             req.admitted_at = time.perf_counter()
             req.timings.add("queue", req.admitted_at - req.arrival)
@@ -89,7 +89,7 @@ class Scheduler:
             self.running.append(req)
 
     def _fit(self, req: Request) -> int:
-        """Blocks the planned request still needs, after evicting unpinned home views to make room."""
+        """Blocks the planned request still needs, after reclaiming budget (unread state, unpinned home views)."""
         need = self._own_blocks(req, req.max_total_tokens) - len(req.blocks)
         while need > self.room and self.reclaim():
             pass
