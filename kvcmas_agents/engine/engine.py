@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import queue
 import math
+import queue
 import threading
 import time
 import uuid
