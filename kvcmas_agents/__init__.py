@@ -1,7 +1,7 @@
 """kvcmas-agents: one embedded LLM engine for multi-agent LangGraph and AutoGen workflows."""
 from .engine import (
-    ContextLengthError, Engine, EngineClosedError, EngineConfig, EngineError, InvalidRequestError, KVCMASConfig,
-    ModelNotFoundError, RequestOutput, ReuseOptions, SamplingParams, StorageSpec, StreamDelta, Usage,
+    ConfigError, ContextLengthError, Engine, EngineClosedError, EngineConfig, EngineError, InvalidRequestError, KVCMASConfig,
+    ModelNotFoundError, RequestOutput, RequestTimeoutError, ReuseOptions, SamplingParams, StorageSpec, StreamDelta, Usage,
 )
 
 __version__ = "0.1.0"
@@ -12,7 +12,7 @@ __all__ = [
     "Engine", "EngineConfig", "KVCMASConfig", "StorageSpec", "ReuseOptions", "SamplingParams", "RequestOutput",
     "StreamDelta", "Usage",
     "InvalidRequestError", "ContextLengthError", "EngineError", "EngineClosedError", "ModelNotFoundError",
-    *_LAZY_INTEGRATIONS,
+    "ConfigError", "RequestTimeoutError", *_LAZY_INTEGRATIONS,
 ]
 
 

@@ -18,5 +18,13 @@ class EngineClosedError(EngineError):
     """The engine was closed before or while the request ran."""
 
 
+class RequestTimeoutError(EngineError, TimeoutError):
+    """A synchronous request did not finish within its timeout; it was aborted and its KV freed."""
+
+
+class ConfigError(ValueError):
+    """An EngineConfig value is invalid, or the engine cannot be built with it (e.g. a corrupt model file)."""
+
+
 class ModelNotFoundError(FileNotFoundError):
     """The requested model is not installed locally; the message says what to install."""

@@ -3,6 +3,9 @@
 A block is *active* while some request holds a reference, *cached* when unreferenced but indexed by
 the prefix cache (kept until its space is needed, then evicted least recently used first), and *free*
 otherwise. Byte figures count active + cached blocks: that is the KV the engine really holds.
+
+State held outside blocks (corrections, anchors) is charged to the same budget in whole blocks
+(``charge_state``): active + cached + charged blocks never exceed the budget's blocks.
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from ..errors import ConfigError
 
 
 class OutOfBlocksError(RuntimeError):
@@ -44,33 +49,54 @@ class KVStore:
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
         self.num_blocks = budget_bytes // self.block_bytes
         if self.num_blocks < 1:
-            raise ValueError(f"kv_budget_bytes={budget_bytes} is smaller than one block ({self.block_bytes} bytes)")
+            raise ConfigError(f"kv_budget_bytes={budget_bytes} is smaller than one block ({self.block_bytes} bytes)")
         shape = (num_layers, self.num_blocks * block_size, num_kv_heads, head_dim)
         # torch.empty does not touch pages on CPU, so an unused budget costs no resident memory.
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        try:
+            self.k = torch.empty(shape, device=device, dtype=dtype)
+            self.v = torch.empty(shape, device=device, dtype=dtype)
+        except RuntimeError as exc:      # torch.OutOfMemoryError is one
+            self.k = self.v = None
+            raise ConfigError(f"kv_budget_bytes={budget_bytes} ({self.num_blocks} blocks) cannot be allocated on "
+                              f"{device}: {str(exc).splitlines()[0]}") from None
         self.ref = [0] * self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()   # cached (unreferenced, indexed) blocks
         self._active = 0
         self._peak = 0
+        self.state_blocks = 0            # blocks' worth of the budget charged to state held outside blocks
         self.on_evict: Callable[[int], None] | None = None   # set by the prefix cache
 
     # --- allocation -------------------------------------------------------------------------
     @property
     def num_available(self) -> int:
-        """Blocks a request could get now: free ones plus evictable cached ones."""
-        return len(self._free) + len(self._lru)
+        """Blocks a request could get now: free ones plus evictable cached ones, less the state's charge."""
+        return max(self.num_blocks - self.state_blocks - self._active, 0)
+
+    def blocks_of(self, nbytes: int) -> int:
+        """Whole blocks' worth of ``nbytes``."""
+        return -(-nbytes // self.block_bytes)
+
+    def charge_state(self, blocks: int) -> None:
+        """Charge ``blocks`` of the budget to state held outside blocks, evicting cached blocks to make room.
+        The caller never charges more than the free and cached blocks (``num_available``) allow."""
+        assert self._active + blocks <= self.num_blocks, "state charged over blocks in use"
+        self.state_blocks = blocks
+        while self._active + len(self._lru) + self.state_blocks > self.num_blocks:
+            self._evict_cached()
+
+    def _evict_cached(self) -> None:
+        block, _ = self._lru.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(block)
+        self._free.append(block)
 
     def allocate(self) -> int:
-        if self._free:
-            block = self._free.pop()
-        elif self._lru:
-            block, _ = self._lru.popitem(last=False)
-            if self.on_evict is not None:
-                self.on_evict(block)
-        else:
+        if self._active + self.state_blocks >= self.num_blocks:
             raise OutOfBlocksError("KV budget exhausted")
+        if self._active + len(self._lru) + self.state_blocks >= self.num_blocks:
+            self._evict_cached()             # the budget is full: the least recently used cached block goes
+        block = self._free.pop()
         self.ref[block] = 1
         self._active += 1
         self._update_peak()

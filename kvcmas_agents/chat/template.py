@@ -12,7 +12,8 @@ from functools import cached_property
 from typing import Any, Mapping
 
 from ..errors import ContextLengthError, InvalidRequestError
-from .tools import format_tool_call, new_call_id, normalize_tools, tool_choice_instruction, tool_instructions
+from .tools import (check_tool_choice, format_tool_call, new_call_id, normalize_tools, tool_choice_instruction,
+                    tool_instructions)
 
 ROLES = ("system", "user", "assistant", "tool")
 _ROLE_ALIASES = {"developer": "system"}
@@ -149,6 +150,7 @@ class ChatFormatter:
             prepared.append(m)
         owners: list[int | None] = list(range(len(prepared)))
 
+        check_tool_choice(tool_choice, tool_specs)
         extra = ""
         if tool_specs and not self._native_tools:
             extra = tool_instructions(tool_specs, tool_choice)

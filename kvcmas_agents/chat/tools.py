@@ -102,6 +102,25 @@ def normalize_tools(tools: Any) -> list[dict]:
     return out
 
 
+def check_tool_choice(tool_choice: Any, tool_specs: list[dict]) -> None:
+    """Raise InvalidRequestError unless ``tool_choice`` is a mode or names one of ``tool_specs``."""
+    name = tool_choice
+    if isinstance(tool_choice, Mapping):
+        fn = tool_choice.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else tool_choice.get("name")
+    if name is None or name in ("auto", "none"):
+        return
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"invalid tool_choice {tool_choice!r}")
+    known = [spec["function"]["name"] for spec in tool_specs]
+    if name in ("required", "any"):
+        if not known:
+            raise InvalidRequestError(f"tool_choice={name!r} needs tools")
+        return
+    if name not in known:
+        raise InvalidRequestError(f"tool_choice names {name!r}, which is not one of the tools {known}")
+
+
 def tool_choice_instruction(tool_choice: Any) -> str:
     """Return the sentence that enforces `tool_choice`, or "" when the model may choose.
 

@@ -1,6 +1,7 @@
 """The embedded engine: public API, worker loop, scheduler, requests and outputs."""
 from ..chat.tools import InvalidToolCall, ToolCall
-from ..errors import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError, ModelNotFoundError
+from ..errors import (ConfigError, ContextLengthError, EngineClosedError, EngineError, InvalidRequestError,
+                      ModelNotFoundError, RequestTimeoutError)
 from .config import EngineConfig, KVCMASConfig, ReuseOptions, SamplingParams, StorageSpec
 from .engine import Engine
 from .outputs import RequestOutput, StreamDelta, Usage
@@ -8,5 +9,5 @@ from .outputs import RequestOutput, StreamDelta, Usage
 __all__ = [
     "Engine", "EngineConfig", "KVCMASConfig", "StorageSpec", "ReuseOptions", "SamplingParams", "RequestOutput",
     "StreamDelta", "Usage", "ToolCall", "InvalidToolCall", "InvalidRequestError", "ContextLengthError",
-    "EngineError", "EngineClosedError", "ModelNotFoundError",
+    "EngineError", "EngineClosedError", "ModelNotFoundError", "ConfigError", "RequestTimeoutError",
 ]

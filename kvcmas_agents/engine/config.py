@@ -1,9 +1,15 @@
 """Dataclass configs for the engine and for sampling."""
 from __future__ import annotations
 
+import math
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from ..errors import ConfigError, InvalidRequestError
 from ..model.loader import DEFAULT_MODEL
 from ..reuse import KVCMASConfig, ReuseOptions, StorageSpec, method_class
 from ..reuse.views import VIEW_PATHS
@@ -13,6 +19,14 @@ __all__ = ["DEFAULT_MODEL", "EngineConfig", "KVCMASConfig", "ReuseOptions", "Sam
 
 def _positive_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def _real(x: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
 
 @dataclass
@@ -57,22 +71,45 @@ class EngineConfig:
     baselines: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        try:
+            self._check()
+        except ConfigError:
+            raise
+        except ValueError as exc:        # e.g. method_class naming the reuse modes
+            raise ConfigError(str(exc)) from None
+
+    def _check(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            raise ConfigError(f"model must be a name, a path (str) or None, got {self.model!r}")
+        if not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device):
+            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.dtype is not None and not isinstance(self.dtype, (str, torch.dtype)):
+            raise ConfigError(f"dtype must be a name like 'float32' or None, got {self.dtype!r}")
+        if not isinstance(self.reuse, str):
+            raise ConfigError(f"reuse must be a mode name, got {self.reuse!r}")
         method_class(self.reuse)              # ValueError names the modes
         if self.num_threads is not None and not _positive_int(self.num_threads):
-            raise ValueError(f"num_threads must be a positive int or None, got {self.num_threads!r}")
+            raise ConfigError(f"num_threads must be a positive int or None, got {self.num_threads!r}")
         if self.view_path not in VIEW_PATHS:
-            raise ValueError(f"view_path must be one of {VIEW_PATHS}, got {self.view_path!r}")
+            raise ConfigError(f"view_path must be one of {VIEW_PATHS}, got {self.view_path!r}")
         if not all(_positive_int(x) for x in (self.block_size, self.max_batch_tokens, self.max_num_seqs)):
-            raise ValueError("block_size, max_batch_tokens and max_num_seqs must be positive")
-        if self.kv_budget_bytes <= 0:
-            raise ValueError("kv_budget_bytes must be positive")
+            raise ConfigError("block_size, max_batch_tokens and max_num_seqs must be positive ints, got "
+                              f"{self.block_size!r}, {self.max_batch_tokens!r}, {self.max_num_seqs!r}")
+        if not _positive_int(self.kv_budget_bytes):
+            raise ConfigError(f"kv_budget_bytes must be a positive int, got {self.kv_budget_bytes!r}")
+        if self.max_context is not None and not _positive_int(self.max_context):
+            raise ConfigError(f"max_context must be a positive int or None, got {self.max_context!r}")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise ConfigError(f"cache_dir must be a path or None, got {self.cache_dir!r}")
         if not isinstance(self.kvcmas, KVCMASConfig):
-            raise ValueError(f"kvcmas must be a KVCMASConfig, got {self.kvcmas!r}")
+            raise ConfigError(f"kvcmas must be a KVCMASConfig, got {self.kvcmas!r}")
+        if not isinstance(self.baselines, dict):
+            raise ConfigError(f"baselines must be a dict of settings by method name, got {self.baselines!r}")
         for name, settings in self.baselines.items():
             cls = method_class(name)
             if cls.config_class is None or not isinstance(settings, cls.config_class):
                 want = cls.config_class.__name__ if cls.config_class else "no settings"
-                raise ValueError(f"baselines[{name!r}] must be a {want}, got {settings!r}")
+                raise ConfigError(f"baselines[{name!r}] must be a {want}, got {settings!r}")
 
 
 @dataclass
@@ -92,15 +129,27 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
+        if isinstance(self.stop, (list, tuple)) or self.stop is None:
+            self.stop = [s for s in (self.stop or []) if s]    # other types: rejected by validate()
 
     def validate(self) -> None:
-        """Raise ValueError on settings no request can run with."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        """Raise InvalidRequestError on settings no request can run with (wrong types included)."""
+        if not _positive_int(self.max_tokens):
+            raise InvalidRequestError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not _real(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        for name in ("ignore_eos", "return_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        forced = self.forced_tokens
+        if forced is not None and (not isinstance(forced, (list, tuple))
+                                   or not all(isinstance(t, int) and not isinstance(t, bool) for t in forced)):
+            raise InvalidRequestError(f"forced_tokens must be a list of token ids or None, got {forced!r}")

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import queue
 import threading
+import time
 import uuid
+import weakref
 from typing import Any, AsyncIterator, Iterable
 
 import torch
@@ -19,7 +22,7 @@ from ..cache.kv_store import KVStore
 from ..cache.prefix_cache import PrefixCache
 from ..chat.detokenize import IncrementalDetokenizer
 from ..chat.template import ChatFormatter, RenderedPrompt
-from ..errors import EngineClosedError, EngineError, InvalidRequestError
+from ..errors import ConfigError, EngineClosedError, EngineError, InvalidRequestError, RequestTimeoutError
 from ..model.llama import LlamaModel
 from ..model.loader import load_model
 from ..model.sampling import make_generator
@@ -28,6 +31,7 @@ from ..reuse.realign import Realigner, refuses
 from ..reuse.segments import SegmentStore
 from ..reuse.views import choose_view_path
 from .config import EngineConfig, SamplingParams
+from .edges import EdgeOrder
 from .outputs import RequestOutput, StreamDelta
 from .request import Request
 from .runner import ModelRunner
@@ -35,6 +39,20 @@ from .scheduler import Scheduler
 from .sinks import LoopSink, ThreadSink
 from .stats import Counters
 from .worker import ABORT, ADD, CLOSE, Worker
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _build_error(exc: BaseException) -> BaseException:
+    """The engine's own error for a failed build: bad values (ValueError from the loader, e.g. an unknown
+    dtype or a CUDA device on a CPU host) become ConfigError; ours and the rest pass as they are."""
+    if isinstance(exc, ValueError) and not isinstance(exc, (ConfigError, InvalidRequestError)):
+        err = ConfigError(str(exc))
+        err.__cause__ = exc
+        return err
+    return exc
 
 
 class Engine:
@@ -46,19 +64,27 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any):
         self.config = config or EngineConfig(**overrides)
+        if not isinstance(self.config, EngineConfig):
+            raise ConfigError(f"config must be an EngineConfig, got {type(self.config).__name__}")
         threads = self.config.num_threads or torch.get_num_threads()
         built: dict[str, BaseException] = {}
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(threads, ready, built), name="kvcmas-engine",
-                                        daemon=True)
+        self._order = EdgeOrder()
+        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._closed = False
+        # The worker thread holds no reference to the engine once built, so an engine dropped without
+        # close() is collected: the finalizer stops its worker (also at interpreter exit).
+        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), threads, ready, built),
+                                        name="kvcmas-engine", daemon=True)
         self._thread.start()
         ready.wait()
         if "error" in built:
             self._thread.join()
-            raise built["error"]
+            raise built.pop("error")
+        self._stop = weakref.finalize(self, _stop_worker, self._inbox, self._thread)
 
     def _build(self) -> None:
-        """Load the model and build the engine's parts (on the worker thread, see ``_run``)."""
+        """Load the model and build the engine's parts (on the worker thread, see ``_serve``)."""
         cfg = self.config
         loaded = load_model(cfg.model, cfg.device, cfg.dtype, cfg.cache_dir)
         self.model_name = loaded.name
@@ -73,31 +99,29 @@ class Engine:
         prefix = PrefixCache(self.store)
         self.segments = SegmentStore(self.store)
         self.segments.is_cached = prefix.is_cached
-        self.methods: dict[str, ReuseMethod] = {}
-        self.scheduler = Scheduler(cfg, self.store, prefix, lambda req: self.methods[req.options.reuse],
-                                   self.segments.evict_one)
-        self.segments.packer.can_allocate = lambda: self.scheduler.room > 0   # never a block promised to a request
+        methods: dict[str, ReuseMethod] = {}
+        self.methods = methods
+        # Callbacks close over parts, never over the engine (see __init__).
+        scheduler = self.scheduler = Scheduler(cfg, self.store, prefix, lambda req: methods[req.options.reuse],
+                                               self.segments.evict_one)
+        self.segments.packer.can_allocate = lambda: scheduler.room > 0   # never a block promised to a request
         self.realign_refused = refuses(loaded.args.rope_scaling)
         realigner = Realigner.from_rope(self.model.rope)
         a = loaded.args
         self.view_path, self.view_fallback = choose_view_path(cfg.view_path, realigner, a.num_kv_heads, a.num_heads,
                                                          a.head_dim, self.device, self.store.k.dtype)
         ctx = ReuseContext(self.model, self.store, prefix, self.segments, realigner, self.view_path,
-                           self.predecessors, self.successors, self._side_request,
+                           self._order.predecessors, self._order.successors, _side_request,
                            self.scheduler.reserve, self.scheduler.release, self.scheduler.take_blocks)
         for name in names():
             cls = method_class(name)
             self.methods[name] = cls(ctx, cls.settings_of(cfg))
-        self.runner = ModelRunner(self.model, self.store, lambda req, end: self.methods[req.options.reuse].view(req,
-                                                                                                                end))
+        self.runner = ModelRunner(self.model, self.store, lambda req, end: methods[req.options.reuse].view(req, end))
         self.formatter = ChatFormatter(self.tokenizer, self.max_context)
         self.stop_token_ids = self.formatter.stop_token_ids | set(loaded.args.eos_token_ids)
         self._tok_lock = threading.Lock()     # HF fast tokenizers are not safe to share across threads
-        self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._ids = itertools.count()
-        self._closed = False
         self.counters = Counters()
-        self.edges: list[tuple[str, str]] = []
         self.worker = Worker(self.scheduler, self.methods, self.runner, self.store, self.tokenizer, self._tok_lock,
                              self.stop_token_ids, self.counters, self._inbox)
 
@@ -144,14 +168,25 @@ class Engine:
     def generate_sync(self, messages: list[dict], agent: str = "default",
                       sampling: SamplingParams | None = None, tools: list[dict] | None = None,
                       tool_choice: Any = None, request_id: str | None = None,
-                      reuse_options: ReuseOptions | None = None) -> RequestOutput:
-        """Blocking ``generate`` for synchronous callers (any thread, no event loop needed)."""
+                      reuse_options: ReuseOptions | None = None, timeout: float | None = None) -> RequestOutput:
+        """Blocking ``generate`` for synchronous callers (any thread, no event loop needed).
+
+        timeout: seconds to wait for the whole request; past it the request is aborted (its KV freed) and
+        RequestTimeoutError is raised. None waits as long as it takes.
+        """
+        if timeout is not None and not (_is_number(timeout) and timeout > 0):
+            raise InvalidRequestError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         sink = ThreadSink()
         req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink, reuse_options)
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._submit(req)
         try:
             while True:
-                event = sink.get()
+                try:
+                    event = sink.get(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+                except queue.Empty:
+                    raise RequestTimeoutError(f"request {req.request_id} did not finish within {timeout} s; "
+                                              "it was aborted") from None
                 if isinstance(event, BaseException):
                     raise event
                 if event.output is not None:
@@ -166,20 +201,19 @@ class Engine:
         Replaces any earlier registration. Shown in ``stats()["edges"]``; cross-agent reuse uses it to
         pick each agent's reference view.
         """
-        clean = []
-        for edge in edges:
-            if not (isinstance(edge, (tuple, list)) and len(edge) == 2 and all(isinstance(a, str) and a for a in edge)):
-                raise InvalidRequestError(f"edges must be (source, target) pairs of agent names, got {edge!r}")
-            clean.append((edge[0], edge[1]))
-        self.edges = clean         # replaced whole: readers see the old list or the new one
+        self._order.set(edges)
+
+    @property
+    def edges(self) -> list[tuple[str, str]]:
+        return self._order.edges
 
     def predecessors(self, agent: str) -> list[str]:
         """Agents with an edge into ``agent``, in registration order."""
-        return [a for a, b in self.edges if b == agent]
+        return self._order.predecessors(agent)
 
     def successors(self, agent: str) -> list[str]:
         """Agents with an edge from ``agent``, in registration order."""
-        return [b for a, b in self.edges if a == agent and b != agent]
+        return self._order.successors(agent)
 
     def declare_agent(self, agent: str, system: str | list[dict], tools: list[dict] | None = None,
                       wait: bool = True) -> int:
@@ -247,8 +281,10 @@ class Engine:
                        "kv_bytes_active": kv.blocks_active * kv.block_bytes,
                        "kv_bytes_cached": kv.blocks_cached * kv.block_bytes, "kv_bytes_peak": kv.kv_bytes_peak,
                        "home_view_bytes": home_bytes, "state_bytes": state, "total_bytes": kv.kv_bytes + state,
-                       "total_bytes_peak": max(self.worker.peak_total, kv.kv_bytes + state)},
-            "counters": {**counts, "num_running": len(self.scheduler.running),
+                       "total_bytes_peak": max(self.worker.peak_total, kv.kv_bytes + state),
+                       "state_over_budget_bytes": self.worker.state_over_budget},
+            "counters": {**counts, "budget_fallbacks": self.scheduler.budget_fallbacks,
+                         "num_running": len(self.scheduler.running),
                          "num_waiting": len(self.scheduler.waiting)},
             "reuse": {"home_views": {"count": home.homes, "tokens": home.home_tokens, "bytes": home_bytes,
                                      "evicted": home.evicted},
@@ -267,15 +303,13 @@ class Engine:
         if self._closed:
             return
         self._closed = True
-        self._inbox.put((CLOSE, None))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        await asyncio.get_running_loop().run_in_executor(None, self._stop)
 
     def close(self) -> None:
         """Synchronous ``aclose``."""
         if not self._closed:
             self._closed = True
-            self._inbox.put((CLOSE, None))
-            self._thread.join()
+            self._stop()
 
     # --- request intake (caller thread) ------------------------------------------------------
     def _make_request(self, messages: Any, agent: str, sampling: SamplingParams | None,
@@ -285,12 +319,18 @@ class Engine:
             raise EngineClosedError("engine is closed")
         if not isinstance(agent, str) or not agent:
             raise InvalidRequestError("agent must be a non-empty string")
-        sampling = sampling or SamplingParams()
-        options = reuse_options or ReuseOptions()
+        sampling = SamplingParams() if sampling is None else sampling
+        options = ReuseOptions() if reuse_options is None else reuse_options
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidRequestError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        if not isinstance(options, ReuseOptions):
+            raise InvalidRequestError(f"reuse_options must be a ReuseOptions or None, got {type(options).__name__}")
         try:
             sampling.validate()
             options.validate()
-        except ValueError as exc:
+        except InvalidRequestError:
+            raise
+        except (ValueError, TypeError) as exc:
             raise InvalidRequestError(str(exc)) from exc
         options = options.resolve(self.config)
         if method_class(options.reuse).cross_agent and self.realign_refused:
@@ -321,31 +361,43 @@ class Engine:
             self.counters.add("template_fallbacks")
         self._inbox.put((ADD, req))
 
-    # --- worker thread --------------------------------------------------------------------
-    def _run(self, threads: int, ready: threading.Event, built: dict[str, BaseException]) -> None:
-        """The worker thread: builds the engine, then serves. All torch work stays on this one thread, so
-        the engine does not leave an OpenMP team behind on the caller's thread (EngineConfig.num_threads)."""
-        try:
-            torch.set_num_threads(threads)
-            self._build()
-            self.num_threads = torch.get_num_threads()
-        except BaseException as exc:        # re-raised by __init__ in the caller's thread
-            built["error"] = exc
-            return
-        finally:
-            ready.set()
-        self.worker.loop()
-
-    def _side_request(self, request_id: str, agent: str, prompt: RenderedPrompt, options: ReuseOptions,
-                      select_from: int | None = None) -> Request:
-        """A request the worker plans and prepares but never admits (work ahead of time)."""
-        return Request(request_id=request_id, agent=agent, prompt=prompt, sampling=SamplingParams(max_tokens=1),
-                       max_new_tokens=1, detok=None, sink=lambda event: None, options=options,
-                       select_from=select_from)
-
     # --- context manager sugar ---------------------------------------------------------------
     async def __aenter__(self) -> "Engine":
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
+
+
+# --- worker thread (module functions: the thread must not keep the engine alive) ---------------------
+def _serve(ref: "weakref.ref[Engine]", threads: int, ready: threading.Event, built: dict[str, BaseException]) -> None:
+    """The worker thread: builds the engine, then serves. All torch work stays on this one thread, so
+    the engine does not leave an OpenMP team behind on the caller's thread (EngineConfig.num_threads)."""
+    engine = ref()
+    try:
+        torch.set_num_threads(threads)
+        engine._build()
+        engine.num_threads = torch.get_num_threads()
+        worker = engine.worker
+    except BaseException as exc:        # re-raised by __init__ in the caller's thread
+        built["error"] = _build_error(exc)
+        return
+    finally:
+        del engine
+        ready.set()
+    worker.loop()
+
+
+def _stop_worker(inbox: "queue.Queue[tuple[str, Any]]", thread: threading.Thread) -> None:
+    """Close the worker and wait for it (close(), the engine's finalizer, or interpreter exit)."""
+    inbox.put((CLOSE, None))
+    if thread is not threading.current_thread():     # a finalizer run by the worker's own gc
+        thread.join()
+
+
+def _side_request(request_id: str, agent: str, prompt: RenderedPrompt, options: ReuseOptions,
+                  select_from: int | None = None) -> Request:
+    """A request the worker plans and prepares but never admits (work ahead of time)."""
+    return Request(request_id=request_id, agent=agent, prompt=prompt, sampling=SamplingParams(max_tokens=1),
+                   max_new_tokens=1, detok=None, sink=lambda event: None, options=options,
+                   select_from=select_from)

@@ -13,6 +13,7 @@ from typing import Callable
 
 from ..cache.kv_store import KVStore
 from ..cache.prefix_cache import PrefixCache
+from ..errors import EngineError
 from ..reuse.base import ReuseMethod
 from .config import EngineConfig
 from .request import Request
@@ -36,10 +37,12 @@ class Scheduler:
         self.store = store
         self.prefix = prefix
         self.method_of = method_of     # the reuse method serving a request
-        self.reclaim = reclaim         # drops the least recently used home view; False when none can go
+        self.reclaim = reclaim         # frees budget (LRU state, then home views); False when nothing can go
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._promised = 0           # reserved-but-unallocated blocks over running requests
+        self.budget_fallbacks = 0    # requests admitted as exact prefills because their reuse did not fit
+        self.reject: Callable[[Request, Exception], None] = lambda req, exc: None   # fails a request (the worker)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -54,23 +57,47 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def admit(self) -> None:
-        """Move waiting requests to running, FIFO, while their KV can be promised."""
+        """Move waiting requests to running, FIFO, while their KV can be promised.
+
+        A request that does not fit waits while others run (they free KV as they finish). With nothing
+        running, waiting would never end: the views its plan reuses are pinned for it and may be what
+        fills the budget. It is then planned again as an exact prefill, with every home view evictable;
+        if even that cannot fit, it fails (``reject``) instead of waiting forever."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             self.plan(req)
-            need = self._own_blocks(req, req.max_total_tokens) - len(req.blocks)
-            while need > self.room and self.reclaim():
-                pass
+            need = self._fit(req)
             if need > self.room:
-                self.release(req)
-                req.num_computed = req.cached_tokens = req.reused_tokens = 0
-                return
+                self._unplan(req)
+                if self.running:
+                    return
+                req.exact_fallback = True
+                need = self._fit(req)
+                if need > self.room:
+                    self.waiting.popleft()
+                    self._unplan(req)
+                    self.reject(req, EngineError(
+                        f"request {req.request_id} needs {need} KV blocks but only {self.room} of "
+                        f"{self.store.num_blocks} can be freed with nothing else running"))
+                    continue
+                self.budget_fallbacks += 1
             self.waiting.popleft()
             req.admitted_at = time.perf_counter()
             req.timings.add("queue", req.admitted_at - req.arrival)
             req.reserved_blocks = need
             self._promised += need
             self.running.append(req)
+
+    def _fit(self, req: Request) -> int:
+        """Blocks the planned request still needs, after reclaiming budget (unread state, unpinned home views)."""
+        need = self._own_blocks(req, req.max_total_tokens) - len(req.blocks)
+        while need > self.room and self.reclaim():
+            pass
+        return need
+
+    def _unplan(self, req: Request) -> None:
+        self.release(req)
+        req.num_computed = req.cached_tokens = req.reused_tokens = req.own_prefix_end = req.reuse_end = 0
 
     # --- side requests (work ahead of time, e.g. KVCMAS's prefetch) ------------------------------
     def reserve(self, req: Request, num_tokens: int) -> bool:
@@ -92,6 +119,11 @@ class Scheduler:
         return [self.store.allocate() for _ in range(n)]
 
     @property
+    def promised(self) -> int:
+        """Blocks promised to running requests and not yet allocated."""
+        return self._promised
+
+    @property
     def room(self) -> int:
         """Blocks free or evictable that no running request was promised."""
         return self.store.num_available - self._promised
@@ -103,8 +135,8 @@ class Scheduler:
 
     def plan(self, req: Request) -> None:
         """Give the request KV it need not compute, before its prefill: its reuse method's plan. A
-        prompt whose template is not prefix-stable is prefilled whole."""
-        if req.prompt.prefix_stable:
+        prompt whose template is not prefix-stable, or that fell back for the budget, is prefilled whole."""
+        if req.prompt.prefix_stable and not req.exact_fallback:
             with req.timings.phase("plan"):
                 self.method_of(req).plan(req)
 

@@ -30,5 +30,6 @@ class ThreadSink:
     def __call__(self, event: Any) -> None:
         self.queue.put(event)
 
-    def get(self) -> Any:
-        return self.queue.get()
+    def get(self, timeout: float | None = None) -> Any:
+        """The next event; queue.Empty after ``timeout`` seconds without one."""
+        return self.queue.get(timeout=timeout)

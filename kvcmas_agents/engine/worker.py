@@ -37,6 +37,10 @@ class Worker:
         self.tokenizer, self.tok_lock, self.stop_token_ids = tokenizer, tok_lock, stop_token_ids
         self.counters, self.inbox = counters, inbox
         self.peak_total = 0
+        self.state_over_budget = 0       # most bytes of state that could not be charged (in use by requests)
+        scheduler.reject = self.fail
+        self._reclaim_homes = scheduler.reclaim
+        scheduler.reclaim = self.reclaim
 
     def method(self, req: Request) -> ReuseMethod:
         return self.methods[req.options.reuse]
@@ -52,12 +56,14 @@ class Worker:
                 self._admitting()
                 sched.admit()
                 self._prepare_one()
+                self.charge_state()
                 items = sched.schedule()
                 # Peak: this step's blocks and fresh corrections, before the step retires anything (a step
                 # only writes into blocks planned here; idle work samples its own).
                 self.track_peak()
                 if items:
                     self._step(items)
+                    self.charge_state()          # what finished no longer pins its state
                 self._idle()
             except Exception as exc:     # a bug outside any one request: fail everything in flight
                 for req in list(sched.running) + list(sched.waiting):
@@ -125,11 +131,39 @@ class Worker:
         for m in self.methods.values():
             if m.has_idle_work():
                 m.idle({r.agent for r in sched.running})
+                self.charge_state()
                 self.track_peak()
                 return
 
+    # --- one budget: blocks and the state held outside them ------------------------------------------
     def state_bytes(self) -> int:
         return sum(m.state_bytes() for m in self.methods.values())
+
+    def charge_state(self) -> None:
+        """Charge the state held outside blocks (corrections, anchors) to the KV budget: cached blocks are
+        evicted for it, and while it would take blocks promised to running requests, the least recently
+        used state is dropped. State that running requests read cannot go; what of it does not fit is
+        left uncharged and reported (``state_over_budget_bytes``)."""
+        store, sched = self.store, self.scheduler
+        while True:
+            state = self.state_bytes()
+            limit = store.num_blocks - store.stats().blocks_active - sched.promised
+            if store.blocks_of(state) <= limit or not self._shed_state():
+                break
+        charged = min(store.blocks_of(state), max(limit, 0))
+        store.charge_state(charged)
+        self.state_over_budget = max(self.state_over_budget, state - charged * store.block_bytes)
+
+    def _shed_state(self) -> bool:
+        return any(m.shed_state() for m in self.methods.values())
+
+    def reclaim(self) -> bool:
+        """Free budget for admission: drop the least recently used state (then re-charge it), else the least
+        recently used unpinned home view; False when neither can go."""
+        if self._shed_state():
+            self.charge_state()
+            return True
+        return self._reclaim_homes()
 
     def track_peak(self) -> None:
         total = self.store.stats().kv_bytes + self.state_bytes()
@@ -257,6 +291,6 @@ class Worker:
             tool_calls=parsed.tool_calls if parsed else [],
             invalid_tool_calls=parsed.invalid_tool_calls if parsed else [],
             stop_reason=req.stop_reason,
-            reuse=req.options.reuse if req.prompt.prefix_stable else "none",
+            reuse=req.options.reuse if req.prompt.prefix_stable and not req.exact_fallback else "none",
             prefix_stable=req.prompt.prefix_stable,
             logits=req.logits if req.sampling.return_logits else None, timings=dict(req.timings))

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ModelNotFoundError
+from ..errors import ConfigError, ModelNotFoundError
 from .args import ModelArgs, expected_shapes
 from .random_model import is_random, random_args, random_weights
 
@@ -65,6 +65,8 @@ def resolve_device(device: str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} requested but this host has {torch.cuda.device_count()} CUDA devices")
     return dev
 
 
@@ -198,7 +200,13 @@ def _convert_gguf(gguf: Path, root: Path) -> Path:
     )
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        _write_converted(gguf, tmp)
+        try:
+            _write_converted(gguf, tmp)
+        except (OSError, MemoryError):      # e.g. disk full: not the file's fault
+            raise
+        except Exception as exc:            # struct.error, reshape errors, ... from a corrupt or truncated file
+            raise ConfigError(f"cannot read {gguf}: the GGUF file is corrupt, truncated or of an unsupported "
+                              f"model ({type(exc).__name__}: {exc})") from exc
         return _publish(tmp, final)
     finally:
         if tmp.exists():
@@ -279,7 +287,13 @@ def _load_weights(folder: Path, device: torch.device, dtype: torch.dtype) -> dic
     for file in _weight_files(folder):
         if not file.is_file():
             raise ModelNotFoundError(f"checkpoint shard {file} listed in {SAFETENSORS_INDEX} is missing")
-        for key, tensor in load_file(str(file)).items():
+        try:
+            tensors = load_file(str(file))
+        except (OSError, MemoryError):
+            raise
+        except Exception as exc:            # safetensors' own error on a corrupt or truncated file
+            raise ConfigError(f"cannot read {file}: {type(exc).__name__}: {exc}") from exc
+        for key, tensor in tensors.items():
             if key.endswith("rotary_emb.inv_freq"):
                 continue  # old checkpoints store a recomputable buffer
             # Cast before moving so bf16/fp16 loads ship half the bytes to the GPU.

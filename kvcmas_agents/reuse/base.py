@@ -9,7 +9,8 @@ engine calls it at fixed points of a request's life, and knows nothing else abou
     view      the attention view its steps read over [0, end), or None for plain paged KV
     on_computed / on_finish / release   after a step wrote its KV / when it ends / when it lets go
     admitting, has_idle_work, idle      work off the critical path (ahead-of-time corrections)
-    state_bytes, stats                  what it holds outside KV blocks, and what it did
+    state_bytes, shed_state, stats      what it holds outside KV blocks (charged to the KV budget, dropped
+                                        least recently used first when it needs room), and what it did
 
 Methods are registered by name (``registry.register``); requests pick one with ``reuse=``.
 """
@@ -151,6 +152,10 @@ class ReuseMethod:
     def state_bytes(self) -> int:
         """Bytes this method holds outside the KV blocks (corrections, anchors)."""
         return 0
+
+    def shed_state(self) -> bool:
+        """Drop the least recently used piece of that state (the KV budget needs room); False when none can go."""
+        return False
 
     def stats(self) -> dict[str, Any]:
         return {}

@@ -28,7 +28,7 @@ class ReuseOptions:
             raise ValueError(f"reuse must be one of {names()}, got {self.reuse!r}")
         if self.recompute_ratio is not None and not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must be in [0, 1], got {self.recompute_ratio}")
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank < 0):
+        if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 0):
             raise ValueError(f"rank must be a non-negative int, got {self.rank!r}")
         if self.reference is not None and self.reference not in REFERENCES:
             raise ValueError(f"reference must be one of {REFERENCES}, got {self.reference!r}")

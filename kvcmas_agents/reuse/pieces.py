@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .segments import HomeView
+from .segments import Correction, HomeView
 from .storage.lowrank import LowRankDelta
 
 
@@ -20,6 +20,7 @@ class ReusePiece:
     pending: bool = False                                     # a correction must be computed first
     private: bool = False                                     # served from a copy in the request's own blocks
     frame: bool = False           # role header/trailer around a reused reply: recomputed whole when corrected
+    correction: Correction | None = None                      # the stored correction it reads (pinned meanwhile)
 
     @property
     def delta(self) -> int:

@@ -51,6 +51,7 @@ class Correction:
     own: LowRankDelta
     reference: str              # "home" or "chain:<predecessor>"
     recomputed: int
+    users: int = 0              # requests reading it (never evicted while > 0)
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +73,10 @@ class SegmentStore:
     def __init__(self, store: KVStore):
         self.store = store
         self._homes: OrderedDict[tuple[int, ...], HomeView] = OrderedDict()
-        self._corrections: dict[tuple[str, tuple[int, ...], int, int], Correction] = {}
+        # Least recently used first: corrections are dropped in that order when the KV budget needs room.
+        self._corrections: OrderedDict[tuple[str, tuple[int, ...], int, int], Correction] = OrderedDict()
+        self.corrections_evicted = 0
+        self._bytes: int | None = None           # correction_bytes, cached until the corrections change
         self._decoded: dict[tuple[int, ...], list[HomeView]] = {}    # first DECODE_KEY tokens -> homes
         self.evicted = 0
         self.is_cached: Callable[[int], bool] = lambda block: False   # prefix-cache membership
@@ -122,10 +126,28 @@ class SegmentStore:
         return best
 
     def correction(self, agent: str, tokens: tuple[int, ...], start: int, context: int) -> Correction | None:
-        return self._corrections.get((agent, tokens, start, context))
+        key = (agent, tokens, start, context)
+        corr = self._corrections.get(key)
+        if corr is not None:
+            self._corrections.move_to_end(key)
+        return corr
 
     def add_correction(self, tokens: tuple[int, ...], context: int, corr: Correction) -> None:
-        self._corrections[(corr.agent, tokens, corr.start, context)] = corr
+        key = (corr.agent, tokens, corr.start, context)
+        self._corrections[key] = corr
+        self._corrections.move_to_end(key)
+        self._bytes = None
+
+    def evict_correction(self) -> bool:
+        """Drop the least recently used correction no request reads; False when none can go. (A request
+        keeps its own reference to what it reads, so dropping that would free nothing.)"""
+        for key, corr in self._corrections.items():
+            if corr.users == 0:
+                del self._corrections[key]
+                self._bytes = None
+                self.corrections_evicted += 1
+                return True
+        return False
 
     def held_corrections(self) -> dict[tuple[str, tuple[int, ...], int, int], Correction]:
         """Every correction held, by (agent, segment tokens, start, context): a copy, for reports."""
@@ -154,6 +176,7 @@ class SegmentStore:
                     self.packer.released(b)
                 for ck in [ck for ck in self._corrections if ck[1] == key]:
                     del self._corrections[ck]
+                    self._bytes = None
                 self.evicted += 1
                 return True
         return False
@@ -164,22 +187,26 @@ class SegmentStore:
 
     def _held(self) -> list[LowRankDelta]:
         # Chains hold their predecessors' states (moved by a shift, sharing tensors), and keep them alive
-        # after those corrections are evicted; unique_nbytes counts each tensor once.
-        return [d for c in self._corrections.values() for d in c.chain]
+        # after those corrections are evicted; unique_nbytes counts each tensor once. A snapshot: stats()
+        # reads it from other threads while the worker reorders the LRU.
+        return [d for c in list(self._corrections.values()) for d in c.chain]
 
     def stats(self) -> SegmentStats:
         s = SegmentStats(homes=len(self._homes), home_tokens=sum(len(k) for k in self._homes),
                          corrections=len(self._corrections), correction_bytes=self.correction_bytes,
                          basis_bytes=unique_nbytes(self._held(), bases_only=True), evicted=self.evicted)
-        for agent in {c.agent for c in self._corrections.values()}:
-            s.by_agent[agent] = unique_nbytes(c.own for c in self._corrections.values() if c.agent == agent)
+        held = list(self._corrections.values())
+        for agent in {c.agent for c in held}:
+            s.by_agent[agent] = unique_nbytes(c.own for c in held if c.agent == agent)
         return s
 
     @property
     def correction_bytes(self) -> int:
         """Bytes of all correction states held (own and chained); a tensor shared by several corrections
-        (a joint basis, a predecessor's state in a chain) counts once."""
-        return unique_nbytes(self._held())
+        (a joint basis, a predecessor's state in a chain) counts once. The worker reads it every step."""
+        if self._bytes is None:
+            self._bytes = unique_nbytes(self._held())
+        return self._bytes
 
     @property
     def home_blocks(self) -> set[int]:

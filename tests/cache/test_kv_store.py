@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvcmas_agents.cache.kv_store import KVStore, OutOfBlocksError
+from kvcmas_agents.errors import ConfigError
 
 LAYERS, KVH, HD, BS = 2, 2, 4, 4
 BLOCK_BYTES = 2 * LAYERS * BS * KVH * HD * 4          # fp32
@@ -35,6 +36,11 @@ def test_budget_smaller_than_one_block_raises():
     with pytest.raises(ValueError, match="smaller than one block"):
         KVStore(LAYERS, KVH, HD, BS, BLOCK_BYTES - 1, torch.device("cpu"), torch.float32)
     KVStore(LAYERS, KVH, HD, BS, BLOCK_BYTES, torch.device("cpu"), torch.float32)   # exactly one is fine
+
+
+def test_budget_that_cannot_be_allocated_raises_config_error():
+    with pytest.raises(ConfigError, match="cannot be allocated"):
+        KVStore(LAYERS, KVH, HD, BS, 10**15, torch.device("cpu"), torch.float32)     # a petabyte
 
 
 def test_allocate_incref_decref_transitions():
@@ -174,3 +180,19 @@ def test_write_lands_in_the_mapped_slots():
     assert torch.equal(store.v[1, slots], -k)
     gathered = store.k[1][store.slots(blocks, 2, 6)]
     assert torch.equal(gathered, k)
+
+
+def test_state_charge_takes_cached_blocks_first_and_bounds_allocation():
+    store = make_store(4)
+    a, b, c = store.allocate(), store.allocate(), store.allocate()
+    store.decref(b, cached=True)
+    store.decref(c, cached=True)                  # 1 active, 2 cached, 1 free
+    store.charge_state(2)                         # 2 blocks' worth of state: one cached block must go
+    assert state(store) == (1, 1, 1) and store.num_available == 1
+    assert store.stats().blocks_active + store.stats().blocks_cached + store.state_blocks <= store.num_blocks
+    store.allocate()                              # the last block the budget allows (evicting the cached one)
+    assert state(store) == (2, 0, 0)
+    with pytest.raises(OutOfBlocksError):
+        store.allocate()
+    store.charge_state(0)
+    assert store.num_available == 2 and store.blocks_of(store.block_bytes + 1) == 2

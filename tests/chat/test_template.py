@@ -292,6 +292,13 @@ def test_tool_instructions_appended_to_system_message(fmt) -> None:
     assert r.segments[0].kind == "prefix"
 
 
+@pytest.mark.parametrize("choice", ["bogus", {"type": "function", "function": {"name": "bogus"}}])
+@pytest.mark.parametrize("tools", [[WEATHER_TOOL], None])
+def test_tool_choice_must_name_a_given_tool(fmt, choice, tools) -> None:
+    with pytest.raises(InvalidRequestError, match="tool_choice"):
+        fmt.render([{"role": "user", "content": "Weather?"}], tools=tools, tool_choice=choice)
+
+
 def test_past_tool_calls_and_tool_role_rendered(fmt, smol_tokenizer) -> None:
     r = fmt.render(TOOL_CONVO, tools=[WEATHER_TOOL])
     assert r.prefix_stable

@@ -9,6 +9,7 @@ import pytest
 from kvcmas_agents.errors import InvalidRequestError
 from kvcmas_agents.chat.tools import (
     InvalidToolCall,
+    check_tool_choice,
     ToolCall,
     format_tool_call,
     normalize_tools,
@@ -269,3 +270,21 @@ def test_parse_never_raises_on_odd_input() -> None:
         out = parse_tool_calls(text, NAMES)
         assert isinstance(out.content, str)
         assert out.tool_calls == []
+
+
+@pytest.mark.parametrize("choice", ["bogus", {"type": "function", "function": {"name": "bogus"}}, 3, ""])
+def test_check_tool_choice_rejects_unknown_tools(choice) -> None:
+    with pytest.raises(InvalidRequestError):
+        check_tool_choice(choice, normalize_tools([WEATHER]))
+
+
+@pytest.mark.parametrize("choice", ["get_weather", "required", "auto", None])
+def test_check_tool_choice_accepts_modes_and_known_tools(choice) -> None:
+    check_tool_choice(choice, normalize_tools([WEATHER]))
+
+
+def test_check_tool_choice_needs_tools_to_require_one() -> None:
+    with pytest.raises(InvalidRequestError):
+        check_tool_choice("required", [])
+    with pytest.raises(InvalidRequestError):
+        check_tool_choice("get_weather", [])

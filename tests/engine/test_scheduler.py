@@ -16,6 +16,7 @@ from kvcmas_agents.chat.template import RenderedPrompt, Segment
 from kvcmas_agents.engine.config import EngineConfig, SamplingParams
 from kvcmas_agents.engine.request import Request
 from kvcmas_agents.engine.scheduler import Scheduler, StepItem
+from kvcmas_agents.errors import EngineError
 from kvcmas_agents.reuse import ReuseContext, method_class
 
 BS = 4
@@ -103,12 +104,26 @@ def test_admission_respects_block_promise_fifo():
     assert s._promised == 5 + 1
 
 
-def test_request_larger_than_the_store_waits_forever():
-    s = make_sched(num_blocks=4)
-    big = make_req(list(range(14)), max_new=4)        # 18 tokens -> 5 blocks > 4
+def test_request_larger_than_the_store_waits_while_others_run_then_fails():
+    s = make_sched(num_blocks=6)
+    rejected = []
+    s.reject = lambda req, exc: rejected.append((req, exc))
+    small = make_req(list(range(6)), max_new=2)       # 2 blocks
+    big = make_req(list(range(20)), max_new=4)        # 24 tokens -> 6 blocks: not next to small
+    s.add(small)
     s.add(big)
-    assert s.schedule() == []
-    assert s.running == [] and list(s.waiting) == [big] and s.store.stats().blocks_active == 0
+    s.admit()
+    assert s.running == [small] and list(s.waiting) == [big] and not rejected
+    s.finish(small)
+    s.admit()                                         # it fits alone: admitted as soon as the store is free
+    assert s.running == [big]
+    s.finish(big)
+    bigger = make_req(list(range(22)), max_new=4)     # 26 tokens -> 7 blocks > 6: can never fit
+    s.add(bigger)
+    assert s.schedule() == []                         # fails at once instead of waiting forever
+    assert not s.waiting and [r for r, _ in rejected] == [bigger]
+    assert isinstance(rejected[0][1], EngineError) and "7 KV blocks" in str(rejected[0][1])
+    assert s.store.stats().blocks_active == 0 and s._promised == 0
 
 
 def test_max_num_seqs_respected():

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from kvcmas_agents.model import loader
-from kvcmas_agents.errors import ModelNotFoundError
+from kvcmas_agents.errors import ConfigError, ModelNotFoundError
 from kvcmas_agents.model.loader import (
     COMPLETE_MARKER,
     LoadedModel,
@@ -115,6 +115,18 @@ def test_converted_dir_is_plain_checkpoint(default_model: LoadedModel) -> None:
     assert set(hf_state) == set(default_model.weights)
     for key, tensor in hf_state.items():
         assert torch.equal(tensor, default_model.weights[key]), key
+
+
+@pytest.mark.parametrize("head", [b"", b"GGUF" + bytes(range(256)) * 4, "truncated"])
+def test_corrupt_gguf_raises_config_error(tmp_path: Path, head) -> None:
+    if head == "truncated":              # the real file's header and metadata, cut before its tensors
+        with open(default_gguf_path(), "rb") as f:
+            head = f.read(3_000_000)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(head)
+    with pytest.raises(ConfigError, match="bad.gguf"):
+        ensure_safetensors(str(bad), tmp_path / "cache")
+    assert not list((tmp_path / "cache" / "models").glob("bad-*"))     # nothing half-converted is kept
 
 
 def test_cache_key_tracks_file_changes(tmp_path: Path) -> None:

@@ -61,3 +61,22 @@ def test_homes_registered_after_a_request_arrived_are_not_offered_to_it():
     assert seg.lookup(segment, before=home.born - 1e-6) is None
     assert seg.find_decoded((1,) + reply, before=decoded.born) == (1, decoded)
     assert seg.find_decoded((1,) + reply, before=decoded.born - 1e-6) is None
+
+
+def _correction(agent: str, start: int = 0) -> "Correction":
+    from kvcmas_agents.reuse.segments import Correction
+    return Correction(agent, start, chain=[], own=None, reference="home", recomputed=0)
+
+
+def test_corrections_are_evicted_least_recently_used_first_and_never_while_read():
+    seg = _store()
+    a, b, c = _correction("a"), _correction("b"), _correction("c")
+    for corr in (a, b, c):
+        seg.add_correction((1, 2), 7, corr)
+    assert seg.correction("a", (1, 2), 0, 7) is a          # a is now the most recently used
+    b.users = 1                                             # a request reads b
+    assert seg.evict_correction()                           # c: least recently used of those not read
+    assert seg.correction("c", (1, 2), 0, 7) is None and seg.correction("b", (1, 2), 0, 7) is b
+    assert seg.evict_correction()                           # a (b is read)
+    assert not seg.evict_correction()
+    assert seg.corrections_evicted == 2 and list(seg.held_corrections().values()) == [b]

@@ -119,6 +119,17 @@ class AnchorPool:
             pool.popleft()                 # the oldest anchor goes
             self.evicted += 1
 
+    def drop_oldest(self) -> bool:
+        """Drop the oldest anchor of the oldest pool (the KV budget needs room); False when none is held."""
+        for key, pool in self._pools.items():
+            if pool:
+                pool.popleft()
+                self.evicted += 1
+                if not pool:
+                    del self._pools[key]
+                return True
+        return False
+
     def clear(self) -> None:
         self._pools.clear()
 

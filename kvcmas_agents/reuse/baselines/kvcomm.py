@@ -117,6 +117,9 @@ class KVComm(PrivateCopyMethod):
     def state_bytes(self) -> int:
         return self.pool.nbytes
 
+    def shed_state(self) -> bool:
+        return self.pool.drop_oldest()
+
     def stats(self) -> dict:
         a = self.pool.stats()
         return {"anchors": a.anchors, "anchor_bytes": a.anchor_bytes, "anchor_bytes_by_agent": a.by_agent,

@@ -128,5 +128,5 @@ class Corrector:
         p.chain = p.chain + [own]
         p.pending = False
         req.recomputed_tokens += recomputed
-        self.ctx.segments.add_correction(p.home.key, p.context, Correction(
-            req.agent, p.start, list(p.chain), own, ref, recomputed))
+        p.correction = Correction(req.agent, p.start, list(p.chain), own, ref, recomputed, users=1)
+        self.ctx.segments.add_correction(p.home.key, p.context, p.correction)

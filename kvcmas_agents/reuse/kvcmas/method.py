@@ -37,8 +37,17 @@ class KVCMAS(CrossAgentMethod):
         corr = self.ctx.segments.correction(req.agent, tokens, piece.start, piece.context)
         if corr is not None:
             piece.chain = list(corr.chain)
+            piece.correction = corr
+            corr.users += 1
         else:
             piece.pending = True
+
+    def release(self, req: ReuseRequest) -> None:
+        for p in req.pieces:
+            if p.correction is not None:
+                p.correction.users -= 1
+                p.correction = None
+        super().release(req)
 
     def prepare(self, req: ReuseRequest) -> None:
         self.corrector.correct(req)
@@ -76,11 +85,15 @@ class KVCMAS(CrossAgentMethod):
     def state_bytes(self) -> int:
         return self.ctx.segments.correction_bytes
 
+    def shed_state(self) -> bool:
+        return self.ctx.segments.evict_correction()
+
     def stats(self) -> dict[str, Any]:
         seg, c = self.ctx.segments.stats(), self.corrector
         return {
             "settings": asdict(self.settings),
             "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
+            "corrections_evicted": self.ctx.segments.corrections_evicted,
             "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent,
             "rows_dropped": c.rows_dropped, "layers_dropped": c.layers_dropped,
             "selections_capped": c.selections_capped, "selections_skipped": c.selections_skipped,

@@ -210,3 +210,17 @@ def test_baseline_knobs_are_checked():
     assert ReuseOptions(recompute_ratio=0.4).resolve(cfg).recompute_ratio == 0.4
     assert ReuseOptions(reuse="kvcmas").resolve(cfg).recompute_ratio == cfg.kvcmas.recompute_ratio
     assert ReuseOptions().resolve(EngineConfig(reuse="cacheblend")).recompute_ratio == 0.15
+
+def test_anchor_pool_drops_its_oldest_anchor_when_the_budget_needs_room():
+    pool = AnchorPool(max_per_placeholder=4, threshold=0.25)
+
+    def anchor(placeholder: int) -> Anchor:
+        return Anchor("a", placeholder, torch.zeros(3, 1, 2), torch.zeros(2, 3, 1, 2), torch.zeros(2, 3, 1, 2))
+
+    first, second, other = anchor(1), anchor(1), anchor(2)
+    for a in (first, second, other):
+        pool.add(a)
+    full = pool.nbytes
+    assert pool.drop_oldest() and pool.nbytes == full - first.nbytes
+    assert pool.drop_oldest() and pool.drop_oldest() and pool.nbytes == 0
+    assert not pool.drop_oldest() and pool.evicted == 3
