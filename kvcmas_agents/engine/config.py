@@ -88,6 +88,9 @@ class SamplingParams:
     ignore_eos: bool = False
     return_logits: bool = False       # keep each generated step's fp32 logits (fidelity harness, tests)
     forced_tokens: list[int] | None = None   # teacher forcing: feed these instead of sampled tokens
+    # OpenAI-style: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}
+    # constrains decoding to that JSON (docs/structured_output.md); None or {"type": "text"}: free text.
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,3 +107,6 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.response_format is not None and not (isinstance(self.response_format, dict)
+                                                     and "type" in self.response_format):
+            raise ValueError(f"response_format must be a dict with a 'type', got {self.response_format!r}")
