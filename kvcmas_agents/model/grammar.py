@@ -25,7 +25,8 @@ _CACHE_SIZE = 256
 class GrammarSpec:
     """Output that is ``prefix``, then one JSON value valid against ``schema``, then ``suffix``.
 
-    ``schema`` is canonical JSON text (``GrammarSpec.of`` builds it), so equal schemas share a key.
+    ``schema`` is compact JSON text (``GrammarSpec.of`` builds it), the cache key. Key order is kept:
+    it is the order in which the properties are generated.
     """
 
     schema: str
@@ -35,7 +36,7 @@ class GrammarSpec:
     @classmethod
     def of(cls, schema: Any, prefix: str = "", suffix: str = "") -> "GrammarSpec":
         try:
-            text = json.dumps(schema, sort_keys=False, ensure_ascii=False, separators=(",", ":"))
+            text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
         except (TypeError, ValueError) as exc:
             raise InvalidRequestError(f"JSON schema is not JSON-serializable: {exc}") from exc
         return cls(text, prefix, suffix)
