@@ -28,6 +28,9 @@ OUTPUT_VERSIONS = pytest.mark.parametrize("model", [{}, {"output_version": "v1"}
 # that no unknown key appears. The pydantic class needs "punchline", which the cut JSON lacks.
 SCHEMA_TYPES = pytest.mark.parametrize("schema_type", [pytest.param("pydantic", marks=CUT_BY_LENGTH),
                                                        "typeddict", "json_schema"])
+# langchain-tests requires an override to carry an xfail reason; this one holds for no case by itself
+# (condition False): the pydantic case's own CUT_BY_LENGTH mark is the expected failure.
+ONLY_PYDANTIC_CUT = pytest.mark.xfail(False, reason="overridden only to xfail the pydantic case (CUT_BY_LENGTH)")
 
 
 class TestChatKVCMASUnit(ChatModelUnitTests):
@@ -80,11 +83,13 @@ class TestChatKVCMASIntegration(ChatModelIntegrationTests):
             return full
         return llm.invoke(messages)
 
-    # --- restated parametrizations (pydantic cut by length) --------------------------------------
+    # --- restated parametrizations: only the pydantic case is expected to fail ----------------------
+    @ONLY_PYDANTIC_CUT
     @SCHEMA_TYPES
     def test_structured_output(self, model: Any, schema_type: str) -> None:
         super().test_structured_output(model, schema_type)
 
+    @ONLY_PYDANTIC_CUT
     @SCHEMA_TYPES
     async def test_structured_output_async(self, model: Any, schema_type: str) -> None:
         await super().test_structured_output_async(model, schema_type)
