@@ -125,6 +125,9 @@ class SamplingParams:
     ignore_eos: bool = False
     return_logits: bool = False       # keep each generated step's fp32 logits (fidelity harness, tests)
     forced_tokens: list[int] | None = None   # teacher forcing: feed these instead of sampled tokens
+    # OpenAI-style: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}
+    # constrains decoding to that JSON (docs/structured_output.md); None or {"type": "text"}: free text.
+    response_format: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -153,3 +156,6 @@ class SamplingParams:
         if forced is not None and (not isinstance(forced, (list, tuple))
                                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in forced)):
             raise InvalidRequestError(f"forced_tokens must be a list of token ids or None, got {forced!r}")
+        rf = self.response_format
+        if rf is not None and not (isinstance(rf, dict) and "type" in rf):
+            raise InvalidRequestError(f"response_format must be a dict with a 'type', got {rf!r}")

@@ -23,6 +23,7 @@ from ..cache.prefix_cache import PrefixCache
 from ..chat.detokenize import IncrementalDetokenizer
 from ..chat.template import ChatFormatter, RenderedPrompt
 from ..errors import ConfigError, EngineClosedError, EngineError, InvalidRequestError, RequestTimeoutError
+from ..model.grammar import Grammars
 from ..model.llama import LlamaModel
 from ..model.loader import load_model
 from ..model.sampling import make_generator
@@ -31,6 +32,7 @@ from ..reuse.realign import Realigner, refuses
 from ..reuse.segments import SegmentStore
 from ..reuse.views import choose_view_path
 from .config import EngineConfig, SamplingParams
+from .constraints import grammar_spec
 from .edges import EdgeOrder
 from .outputs import RequestOutput, StreamDelta
 from .request import Request
@@ -119,6 +121,7 @@ class Engine:
         self.runner = ModelRunner(self.model, self.store, lambda req, end: methods[req.options.reuse].view(req, end))
         self.formatter = ChatFormatter(self.tokenizer, self.max_context)
         self.stop_token_ids = self.formatter.stop_token_ids | set(loaded.args.eos_token_ids)
+        self.grammars = Grammars(self.tokenizer, loaded.args.vocab_size, self.stop_token_ids)
         self._tok_lock = threading.Lock()     # HF fast tokenizers are not safe to share across threads
         self._ids = itertools.count()
         self.counters = Counters()
@@ -346,6 +349,12 @@ class Engine:
                       options=options)
         if tools:
             req.tool_names = {t.get("function", t).get("name") for t in tools if isinstance(t, dict)}
+        spec = grammar_spec(sampling.response_format, tools, tool_choice)
+        if spec is not None:
+            if sampling.ignore_eos or sampling.forced_tokens is not None:
+                raise InvalidRequestError("constrained output (response_format or a forced tool_choice) cannot "
+                                          "be combined with ignore_eos or forced_tokens")
+            req.grammar = self.grammars.state(spec)
         need = self.scheduler.blocks_for(req.max_total_tokens)
         if need > self.store.num_blocks:
             raise InvalidRequestError(

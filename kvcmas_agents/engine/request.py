@@ -9,6 +9,7 @@ import torch
 
 from ..chat.detokenize import IncrementalDetokenizer
 from ..chat.template import RenderedPrompt
+from ..model.grammar import GrammarState
 from ..reuse.options import ReuseOptions
 from ..reuse.pieces import ReusePiece
 from ..timing import Timings
@@ -28,6 +29,7 @@ class Request:
     sink: Callable[[Any], None]            # receives StreamDelta events, or an exception
     generator: torch.Generator | None = None
     tool_names: set[str] | None = None
+    grammar: GrammarState | None = None    # constrained decoding: its position in the output grammar
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)

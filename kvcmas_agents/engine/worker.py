@@ -199,12 +199,13 @@ class Worker:
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
         try:
-            tokens = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs]).tolist()
+            tokens = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
+                                  [r.grammar for r in reqs]).tolist()
         except Exception:
             tokens = []
             for i, r in enumerate(reqs):
                 try:
-                    tokens.append(int(self.sampler(logits[i:i + 1], [r.sampling], [r.generator])[0]))
+                    tokens.append(int(self.sampler(logits[i:i + 1], [r.sampling], [r.generator], [r.grammar])[0]))
                 except Exception as exc:
                     self.fail(r, EngineError(f"sampling failed: {exc!r}"))
                     tokens.append(None)
@@ -224,6 +225,8 @@ class Worker:
     def _append_token(self, req: Request, tok: int) -> None:
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
+        if req.grammar is not None and not req.grammar.accept(tok):
+            raise EngineError(f"token {tok} breaks the request's output grammar")
         if tok in self.stop_token_ids and not req.sampling.ignore_eos:
             req.stop_reason = self.tokenizer.convert_ids_to_tokens(tok)
             return self.retire(req, "stop")

@@ -102,6 +102,16 @@ def json_instruction(json_output: bool | type[BaseModel] | None) -> str:
             f"and no other text:\n{schema}")
 
 
+def response_format(json_output: bool | type[BaseModel] | None) -> dict[str, Any] | None:
+    """The engine's ``response_format`` for ``json_output``: decoding is constrained to it."""
+    if json_output is None or json_output is False:
+        return None
+    if json_output is True:
+        return {"type": "json_object"}
+    return {"type": "json_schema",
+            "json_schema": {"name": json_output.__name__, "schema": json_output.model_json_schema()}}
+
+
 def with_instruction(messages: list[dict[str, Any]], instruction: str) -> list[dict[str, Any]]:
     """Append ``instruction`` to the leading system message (or add one)."""
     if not instruction:

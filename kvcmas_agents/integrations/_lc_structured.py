@@ -1,7 +1,5 @@
-"""Structured output by prompting: OpenAI-style ``response_format`` turned into a system instruction.
-
-The engine has no constrained decoding, so JSON modes tell the model what to emit and the
-output parser validates it.
+"""Structured output: OpenAI-style ``response_format``, which the engine enforces while decoding
+(grammar-constrained), and a system instruction that tells the model what to put in the JSON.
 """
 from __future__ import annotations
 

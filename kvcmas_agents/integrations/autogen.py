@@ -28,8 +28,8 @@ from typing_extensions import Self
 from ..engine import Engine, EngineError, RequestOutput, ReuseOptions, SamplingParams
 from ..registry import ADAPTER_REUSE, get_engine
 from ._autogen_convert import (
-    ToolCallFilter, json_instruction, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
-    with_instruction,
+    ToolCallFilter, json_instruction, response_format, to_create_result, to_engine_messages, to_engine_tool_choice,
+    to_engine_tools, with_instruction,
 )
 from ._autogen_team import current_agent_name, team_edges
 
@@ -106,9 +106,9 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         self._reuse.validate()
         self._engine = engine
         self._model_info: ModelInfo = model_info or {
+            # json_output and structured output are enforced while decoding (grammar-constrained).
             "vision": False, "function_calling": True, "json_output": True,
-            # JSON is asked for in the prompt and validated best-effort, not enforced while decoding.
-            "structured_output": False, "family": ModelFamily.UNKNOWN,
+            "structured_output": True, "family": ModelFamily.UNKNOWN,
         }
         validate_model_info(self._model_info)
         self._total_usage = RequestUsage(prompt_tokens=0, completion_tokens=0)
@@ -202,7 +202,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         if json_output is not None and not isinstance(json_output, bool) and not (
                 isinstance(json_output, type) and issubclass(json_output, BaseModel)):
             raise ValueError("json_output must be None, a bool, or a pydantic BaseModel subclass")
-        sampling = SamplingParams(**{k: extra.get(k, getattr(self._defaults, k)) for k in _SAMPLING_ARGS})
+        sampling = SamplingParams(**{k: extra.get(k, getattr(self._defaults, k)) for k in _SAMPLING_ARGS},
+                                  response_format=response_format(json_output))
         sampling.validate()
         reuse_options = ReuseOptions(**{k: extra.get(k, getattr(self._reuse, k)) for k in _REUSE_ARGS})
         reuse_options.validate()

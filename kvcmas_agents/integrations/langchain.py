@@ -152,8 +152,10 @@ class ChatKVCMAS(BaseChatModel):
         tool_choice = kwargs.pop("tool_choice", None)
         if tool_choice == "none":
             tools, tool_choice = None, None
-        instruction = structured.format_instruction(kwargs.pop("response_format", None))
+        response_format = kwargs.pop("response_format", None)
+        instruction = structured.format_instruction(response_format)
         sampling = self._sampling(stop, {k: kwargs.pop(k) for k in _SAMPLING_KEYS if k in kwargs})
+        sampling.response_format = response_format      # decoding is constrained to it (engine grammar)
         reuse_options = self._reuse_options({k: kwargs.pop(k) for k in _REUSE_KEYS if k in kwargs})
         if kwargs:
             raise TypeError(f"ChatKVCMAS got unexpected call arguments: {sorted(kwargs)}")
@@ -181,8 +183,9 @@ class ChatKVCMAS(BaseChatModel):
         """Bind tools (LangChain tools, functions, pydantic classes or OpenAI tool dicts).
 
         ``tool_choice``: "auto", "none", "any"/"required"/True (must call some tool), a tool name,
-        or ``{"type": "function", "function": {"name": ...}}``. The model is instructed to comply;
-        there is no constrained decoding.
+        or ``{"type": "function", "function": {"name": ...}}``. A forcing choice constrains decoding
+        to one well-formed call of that tool (of any bound tool for "any"), arguments valid against
+        its schema.
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
         if tool_choice is not None and tool_choice is not False:
@@ -190,16 +193,17 @@ class ChatKVCMAS(BaseChatModel):
         return super().bind(tools=formatted, **kwargs)
 
     def with_structured_output(self, schema: dict[str, Any] | type | None = None, *,
-                               method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+                               method: Literal["function_calling", "json_schema", "json_mode"] = "json_schema",
                                include_raw: bool = False, strict: bool | None = None,
                                **kwargs: Any) -> Runnable[LanguageModelInput, dict[str, Any] | BaseModel]:
         """Return a runnable whose output follows ``schema``.
 
-        method: "function_calling" (a forced tool call; LangChain's default parsing),
-        "json_schema" (the schema goes into the system prompt and the JSON reply is parsed), or
-        "json_mode" (the model is told to reply in JSON; ``schema`` is only used to parse).
-        ``strict`` is accepted for compatibility: output is validated after generation, not
-        constrained during it.
+        method: "json_schema" (default: decoding is constrained to JSON valid against the schema,
+        which the system prompt also shows), "function_calling" (decoding is constrained to one
+        call of a tool made from the schema; LangChain's tool parsing), or "json_mode" (decoding
+        is constrained to a JSON object; ``schema`` is only used to parse). ``strict`` is accepted
+        for compatibility: output is always constrained. A reply cut by ``max_tokens`` is
+        incomplete JSON and fails to parse.
         """
         if kwargs:
             raise ValueError(f"Received unsupported arguments {kwargs}")

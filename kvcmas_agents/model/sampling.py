@@ -6,6 +6,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from .grammar import GrammarState, apply_masks
+
 
 class SamplingSettings(Protocol):
     """What the sampler reads of a request's sampling settings (engine.config.SamplingParams)."""
@@ -74,6 +76,9 @@ class Sampler:
     temperature, apply top-k, then top-p, and draw with ``torch.multinomial`` using the row's own
     generator (``None`` falls back to the global torch RNG). A row's result depends only on its
     own logits, params and generator, never on the rest of the batch.
+
+    Rows with a grammar state first have the tokens their grammar forbids masked to -inf (on a
+    copy: ``logits`` is never written); a batch without one skips this step entirely.
     """
 
     def __call__(
@@ -81,6 +86,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingSettings],
         generators: list[torch.Generator | None],
+        grammars: Sequence[GrammarState | None] | None = None,
     ) -> torch.Tensor:
         """Return next token ids as a [B] int64 CPU tensor for ``logits`` of shape [B, V]."""
         if logits.dim() != 2:
@@ -89,7 +95,13 @@ class Sampler:
         if len(params) != batch or len(generators) != batch:
             raise ValueError(f"need one params and one generator per row: {batch} rows, "
                              f"{len(params)} params, {len(generators)} generators")
+        if grammars is not None and len(grammars) != batch:
+            raise ValueError(f"need one grammar (or None) per row: {batch} rows, {len(grammars)} grammars")
         x = logits.float()
+        constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
+        if constrained:
+            x = x.clone() if x is logits else x
+            apply_masks(x, constrained, [grammars[i] for i in constrained])
         out = torch.argmax(x, dim=-1)
 
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]

@@ -149,7 +149,7 @@ def test_clients_share_one_engine_per_model(engine, monkeypatch):
 def test_model_info_and_bad_arguments(client):
     info = client.model_info
     assert info["vision"] is False and info["function_calling"] and info["json_output"]
-    assert info["structured_output"] is False and info["family"] == "unknown"
+    assert info["structured_output"] is True and info["family"] == "unknown"
     assert client.capabilities["function_calling"] is True
     with pytest.raises(ValueError, match="extra_create_args"):
         client._prepare(HELLO, [], "auto", None, {"frequency_penalty": 1.0})
@@ -275,14 +275,26 @@ async def test_tool_call_from_few_shot_history(engine):
     assert items[-1].finish_reason == "function_calls" and items[-1].content[0].name == "get_weather"
 
 
-async def test_json_output_does_not_crash(client):
-    class Greeting(BaseModel):
-        text: str
+class City(BaseModel):
+    name: str
+    country: str
 
-    result = await client.create(HELLO, json_output=Greeting)
-    assert isinstance(result.content, str)
+
+CAPITAL = [UserMessage(content="What is the capital of France?", source="user")]
+
+
+async def test_json_output_is_constrained_to_the_model_schema(engine):
+    client = KVCMASClient(engine=engine, max_tokens=48)
+    result = await client.create(CAPITAL, json_output=City)
+    assert result.finish_reason == "stop" and City.model_validate_json(result.content).name == "Paris"
     result = await client.create(HELLO, json_output=True)
-    assert isinstance(result.content, str)
+    assert result.finish_reason == "stop" and isinstance(json.loads(result.content), dict)
+
+
+async def test_assistant_agent_structured_output(engine):
+    agent = AssistantAgent("geo", model_client=KVCMASClient(engine=engine, max_tokens=48), output_content_type=City)
+    result = await agent.run(task="What is the capital of France?")
+    assert isinstance(result.messages[-1].content, City) and result.messages[-1].content.name == "Paris"
 
 
 # --- real teams -----------------------------------------------------------------------------------

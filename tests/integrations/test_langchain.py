@@ -236,6 +236,37 @@ async def test_structured_output_methods(llm, method, prompt):
     assert await as_dict.ainvoke(prompt) == JOKE
 
 
+class City(BaseModel):
+    name: str
+    country: str
+
+
+CAPITAL = "What is the capital of France?"
+
+
+async def test_structured_output_defaults_to_constrained_json_schema(llm):
+    """No copying prompt: the grammar makes the model answer in the schema's JSON."""
+    chain = ChatKVCMAS(engine=llm.engine, max_tokens=48).with_structured_output(City, include_raw=True)
+    out = await chain.ainvoke(CAPITAL)
+    assert out["raw"].content.startswith('{"name": ') and out["parsed"].name == "Paris"
+    free = await ChatKVCMAS(engine=llm.engine, max_tokens=48).ainvoke(CAPITAL)
+    assert not free.content.startswith("{")
+
+
+async def test_function_calling_forces_the_schema_tool(llm):
+    chain = ChatKVCMAS(engine=llm.engine, max_tokens=48).with_structured_output(
+        City, method="function_calling", include_raw=True)
+    out = await chain.ainvoke(CAPITAL)
+    assert [c["name"] for c in out["raw"].tool_calls] == ["City"] and isinstance(out["parsed"], City)
+
+
+@pytest.mark.parametrize("choice", ["add", "any", {"type": "function", "function": {"name": "add"}}])
+async def test_tool_choice_forces_a_well_formed_call(llm, choice):
+    msg = await llm.bind_tools([add], tool_choice=choice).bind(max_tokens=40).ainvoke("What is 3 + 4?")
+    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 3, "b": 4})]
+    assert not msg.invalid_tool_calls and msg.response_metadata["finish_reason"] == "tool_calls"
+
+
 async def test_structured_output_include_raw_and_parse_errors(llm):
     chain = ChatKVCMAS(engine=llm.engine, max_tokens=48).with_structured_output(
         Joke, method="json_schema", include_raw=True)

@@ -13,21 +13,24 @@ from kvcmas_agents.integrations.langchain import ChatKVCMAS
 # Small enough to keep the suite fast on 2 CPU cores, large enough for one short tool call.
 PARAMS: dict[str, Any] = {"max_tokens": 32, "agent": "standard-tests"}
 
+# Output-quality limits of the 135M default model, not adapter bugs or missing features: tool calls
+# and structured output are grammar-constrained (docs/structured_output.md), so what is left is what
+# the model writes inside them. Keep docs/langchain-standard-xfails.md in sync.
+NO_AUTO_TOOL_CALL = pytest.mark.xfail(
+    reason="with tool_choice left to the model, SmolLM2-135M does not choose to call the tool", strict=False)
+CUT_BY_LENGTH = pytest.mark.xfail(
+    reason="the constrained reply is well-formed, but SmolLM2-135M keeps writing inside a free-text string "
+           "past the suite's 32-token budget, so the JSON/call is cut (finish_reason='length')", strict=False)
+
 # Overrides must restate the base tests' parametrization.
 OUTPUT_VERSIONS = pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
-SCHEMA_TYPES = pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-
-# Output-quality limits of the 135M default model, not adapter bugs: the adapter paths these tests
-# exercise are covered with prompts the model can follow in tests/integrations/test_langchain.py.
-# Keep docs/langchain-standard-xfails.md in sync.
-NO_TOOL_CALLS = pytest.mark.xfail(
-    reason="SmolLM2-135M does not follow the tool-call instructions, so it emits no <tool_call> block",
-    strict=False)
-NO_STRUCTURED = pytest.mark.xfail(
-    reason="structured output defaults to a forced tool call, which SmolLM2-135M does not emit",
-    strict=False)
-NO_JSON = pytest.mark.xfail(
-    reason="SmolLM2-135M does not reliably answer with a JSON object of the requested keys", strict=False)
+# typeddict and json_schema pass: LangChain's dict parser closes the cut JSON and the test only checks
+# that no unknown key appears. The pydantic class needs "punchline", which the cut JSON lacks.
+SCHEMA_TYPES = pytest.mark.parametrize("schema_type", [pytest.param("pydantic", marks=CUT_BY_LENGTH),
+                                                       "typeddict", "json_schema"])
+# langchain-tests requires an override to carry an xfail reason; this one holds for no case by itself
+# (condition False): the pydantic case's own CUT_BY_LENGTH mark is the expected failure.
+ONLY_PYDANTIC_CUT = pytest.mark.xfail(False, reason="overridden only to xfail the pydantic case (CUT_BY_LENGTH)")
 
 
 class TestChatKVCMASUnit(ChatModelUnitTests):
@@ -80,56 +83,36 @@ class TestChatKVCMASIntegration(ChatModelIntegrationTests):
             return full
         return llm.invoke(messages)
 
-    # --- xfails: model quality (see NO_* above) ---------------------------------------------------
-    @NO_TOOL_CALLS
-    @OUTPUT_VERSIONS
-    def test_tool_calling(self, model: Any) -> None:
-        super().test_tool_calling(model)
-
-    @NO_TOOL_CALLS
-    async def test_tool_calling_async(self, model: Any) -> None:
-        await super().test_tool_calling_async(model)
-
-    @NO_TOOL_CALLS
-    def test_bind_runnables_as_tools(self, model: Any) -> None:
-        super().test_bind_runnables_as_tools(model)
-
-    @NO_TOOL_CALLS
-    def test_tool_choice(self, model: Any) -> None:
-        super().test_tool_choice(model)
-
-    @NO_TOOL_CALLS
-    def test_tool_calling_with_no_arguments(self, model: Any) -> None:
-        super().test_tool_calling_with_no_arguments(model)
-
-    @NO_TOOL_CALLS
-    @OUTPUT_VERSIONS
-    def test_agent_loop(self, model: Any) -> None:
-        super().test_agent_loop(model)
-
-    @NO_TOOL_CALLS
-    def test_unicode_tool_call_integration(self, model: Any, *, tool_choice: str | None = None,
-                                           force_tool_call: bool = True) -> None:
-        super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
-
-    @NO_STRUCTURED
+    # --- restated parametrizations: only the pydantic case is expected to fail ----------------------
+    @ONLY_PYDANTIC_CUT
     @SCHEMA_TYPES
     def test_structured_output(self, model: Any, schema_type: str) -> None:
         super().test_structured_output(model, schema_type)
 
-    @NO_STRUCTURED
+    @ONLY_PYDANTIC_CUT
     @SCHEMA_TYPES
     async def test_structured_output_async(self, model: Any, schema_type: str) -> None:
         await super().test_structured_output_async(model, schema_type)
 
-    @NO_STRUCTURED
+    # --- xfails: model quality (see above) --------------------------------------------------------
+    @NO_AUTO_TOOL_CALL
+    @OUTPUT_VERSIONS
+    def test_agent_loop(self, model: Any) -> None:
+        super().test_agent_loop(model)
+
+    @CUT_BY_LENGTH
+    def test_bind_runnables_as_tools(self, model: Any) -> None:
+        super().test_bind_runnables_as_tools(model)
+
+    @CUT_BY_LENGTH
+    def test_unicode_tool_call_integration(self, model: Any, *, tool_choice: str | None = None,
+                                           force_tool_call: bool = True) -> None:
+        super().test_unicode_tool_call_integration(model, tool_choice=tool_choice, force_tool_call=force_tool_call)
+
+    @CUT_BY_LENGTH
     def test_structured_output_pydantic_2_v1(self, model: Any) -> None:
         super().test_structured_output_pydantic_2_v1(model)
 
-    @NO_STRUCTURED
-    def test_structured_output_optional_param(self, model: Any) -> None:
-        super().test_structured_output_optional_param(model)
-
-    @NO_JSON
+    @CUT_BY_LENGTH
     def test_json_mode(self, model: Any) -> None:
         super().test_json_mode(model)
