@@ -91,8 +91,8 @@ async def test_constrained_and_free_requests_batch_without_touching_each_other(e
     ({"sampling": SamplingParams(response_format={"type": "json_object"}), "tools": TOOLS, "tool_choice": "add"},
      "cannot both"),
     ({"sampling": SamplingParams(response_format={"type": "json_object"}, ignore_eos=True)}, "ignore_eos"),
-    ({"tools": TOOLS, "tool_choice": "multiply"}, "not in tools"),
-    ({"tool_choice": "required"}, "no tools"),
+    ({"tools": TOOLS, "tool_choice": "multiply"}, "not one of the tools"),
+    ({"tool_choice": "required"}, "needs tools"),
 ])
 async def test_requests_the_engine_cannot_constrain_fail_before_running(engine_none, kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
