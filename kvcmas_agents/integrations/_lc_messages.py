@@ -16,8 +16,9 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.utils.json import parse_partial_json
 
-from ..chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from ..chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, InvalidToolCall, format_tool_call
 from ..engine import RequestOutput
 
 PROVIDER = "kvcmas"
@@ -118,7 +119,7 @@ def ai_message(out: RequestOutput, model_name: str) -> AIMessage:
     return AIMessage(
         content=out.content,
         tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in out.tool_calls],
-        invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error)
+        invalid_tool_calls=[invalid_tool_call(name=c.name, args=unusable_args(c), id=c.id, error=c.error)
                             for c in out.invalid_tool_calls],
         usage_metadata=usage_metadata(out),
         response_metadata=response_metadata(out, model_name),
@@ -129,12 +130,33 @@ def final_chunk(text: str, out: RequestOutput, model_name: str) -> AIMessageChun
     """The last streamed chunk: remaining text, tool calls as chunks, usage and finish reason."""
     chunks = [tool_call_chunk(name=c.name, args=json.dumps(c.arguments, ensure_ascii=False), id=c.id, index=k)
               for k, c in enumerate(out.tool_calls)]
-    chunks += [tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=len(chunks) + k)
+    chunks += [tool_call_chunk(name=c.name, args=unusable_args(c), id=c.id, index=len(chunks) + k)
                for k, c in enumerate(out.invalid_tool_calls)]
     return AIMessageChunk(
         content=text, tool_call_chunks=chunks, usage_metadata=usage_metadata(out),
         response_metadata=response_metadata(out, model_name), chunk_position="last",
     )
+
+
+def unusable_args(call: InvalidToolCall) -> str:
+    """An invalid call's ``args`` in a form LangChain keeps invalid, the same streamed or not.
+
+    Merged stream chunks are re-parsed with LangChain's lenient partial-JSON parser, which reads a
+    cut-off block (``{"name": "f", "argu``) or the arguments of a call to an unknown tool as a valid
+    call. Raw text it cannot read that way is passed as is; otherwise the call is shown as the model
+    wrote it, in its ``<tool_call>`` format (the tag keeps it from parsing).
+    """
+    raw = call.arguments or ""
+    try:
+        readable = not raw or isinstance(parse_partial_json(raw), dict)
+    except ValueError:
+        readable = False
+    if not readable:
+        return raw
+    try:
+        return format_tool_call(call.name or "", json.loads(raw) if raw else {})
+    except ValueError:   # cut off: the block as far as the model got
+        return TOOL_CALL_OPEN + raw
 
 
 class ToolBlockFilter:

@@ -20,8 +20,10 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from kvcmas_agents import ReuseOptions
+from kvcmas_agents.chat.tools import InvalidToolCall
+from kvcmas_agents.engine.outputs import RequestOutput, Usage
 from kvcmas_agents.integrations import langchain as lc_module
-from kvcmas_agents.integrations._lc_messages import ToolBlockFilter, to_engine_messages
+from kvcmas_agents.integrations._lc_messages import ToolBlockFilter, ai_message, final_chunk, to_engine_messages
 from kvcmas_agents.integrations.langchain import ChatKVCMAS
 from kvcmas_agents.registry import get_engine
 
@@ -302,3 +304,16 @@ def test_token_counting_uses_the_chat_template(llm):
 async def test_concurrent_calls_from_one_instance(llm):
     outs = await asyncio.gather(*(llm.bind(max_tokens=4).ainvoke(f"Count to {n}.") for n in range(3)))
     assert all(o.usage_metadata["output_tokens"] >= 1 for o in outs)
+
+
+def test_invalid_tool_calls_stay_invalid_once_stream_chunks_merge():
+    cut = InvalidToolCall("call_1", "add", '{"name": "add", "arguments": {"a', "invalid JSON")
+    unknown = InvalidToolCall("call_2", "mul", '{"a": 1}', "unknown tool 'mul'")
+    not_object = InvalidToolCall("call_3", "add", "[1, 2]", "arguments must be a JSON object")
+    out = RequestOutput("r", "a", "", [], "length", 0.0, 0.0, Usage(), invalid_tool_calls=[cut, unknown, not_object])
+    whole = ai_message(out, "m")
+    merged = AIMessageChunk(content="") + final_chunk("", out, "m")
+    assert whole.tool_calls == merged.tool_calls == []
+    assert [c["args"] for c in whole.invalid_tool_calls] == [c["args"] for c in merged.invalid_tool_calls] == [
+        '<tool_call>{"name": "add", "arguments": {"a', '<tool_call>{"name": "mul", "arguments": {"a": 1}}</tool_call>',
+        "[1, 2]"]
