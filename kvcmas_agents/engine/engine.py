@@ -221,6 +221,11 @@ class Engine:
         with self._tok_lock:
             return len(self.formatter.render(messages, tools).token_ids)
 
+    def tokenize(self, text: str) -> list[int]:
+        """The model's token ids for plain ``text`` (no chat template, no special tokens)."""
+        with self._tok_lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def stats(self) -> dict[str, Any]:
         """A snapshot, grouped (docs/stats.md):
 
