@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from typing_extensions import Self
 
 from ..engine import Engine, EngineError, RequestOutput, ReuseOptions, SamplingParams
-from ..registry import ADAPTER_REUSE, get_engine
+from ..registry import ADAPTER_REUSE, get_engine, hold_engine, release_engine
 from ._autogen_convert import (
     ToolCallFilter, json_instruction, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
     with_instruction,
@@ -105,6 +105,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         self._reuse = ReuseOptions(reuse, recompute_ratio, rank, reference)
         self._reuse.validate()
         self._engine = engine
+        self._held = False              # True once it holds the shared engine (released by close)
+        self._closed = False
         self._model_info: ModelInfo = model_info or {
             "vision": False, "function_calling": True, "json_output": True,
             # JSON is asked for in the prompt and validated best-effort, not enforced while decoding.
@@ -119,8 +121,11 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
     @property
     def engine(self) -> Engine:
         """The engine serving this client (the shared one is created on first use)."""
+        if self._closed:
+            raise RuntimeError("KVCMASClient is closed")
         if self._engine is None:
-            self._engine = get_engine(self._model, reuse=self._reuse.reuse or ADAPTER_REUSE)
+            self._engine = hold_engine(self._model, reuse=self._reuse.reuse or ADAPTER_REUSE)
+            self._held = True
         return self._engine
 
     # --- requests -----------------------------------------------------------------------------
@@ -250,7 +255,16 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
                 "json_output": self._model_info["json_output"]}
 
     async def close(self) -> None:
-        """No-op: the engine is shared by other clients (close it via ``registry.close_all``)."""
+        """Release this client's hold on the shared engine; the engine closes when its last user does.
+
+        An engine passed as ``engine=`` is the caller's and stays open. The client cannot be used after.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._held:
+            await asyncio.get_running_loop().run_in_executor(None, release_engine, self._engine)
+        self._engine = None
 
     # --- component config -----------------------------------------------------------------------
     def _to_config(self) -> KVCMASClientConfig:

@@ -138,12 +138,34 @@ async def test_agent_name_precedence(engine):
 
 
 def test_clients_share_one_engine_per_model(engine, monkeypatch):
-    monkeypatch.setitem(registry._engines, "smollm2-135m-instruct", engine)
+    monkeypatch.setattr(registry, "_engines", {"smollm2-135m-instruct": engine})
+    monkeypatch.setattr(registry, "_holders", {})
     a, b = KVCMASClient(), KVCMASClient("SmolLM2-135M-Instruct")
     assert a.engine is b.engine is engine
     other = SimpleNamespace(config=SimpleNamespace(model="elsewhere"))   # an explicit engine wins
     pinned = KVCMASClient(engine=other)
     assert pinned.engine is other and pinned._to_config().model == "elsewhere"
+
+
+async def test_close_releases_the_shared_engine_after_its_last_client(monkeypatch):
+    for name, fresh in (("_engines", {}), ("_holders", {}), ("_kept", set())):
+        monkeypatch.setattr(registry, name, fresh)
+    a, b = KVCMASClient(max_tokens=2), KVCMASClient(max_tokens=2)
+    engine = a.engine
+    assert b.engine is engine and (await b.create(HELLO)).usage.completion_tokens > 0
+    await a.close()
+    assert not engine._closed and (await b.create(HELLO)).usage.completion_tokens > 0
+    await b.close()
+    await b.close()                       # idempotent
+    assert engine._closed and registry._engines == {}
+    with pytest.raises(RuntimeError, match="closed"):
+        await a.create(HELLO)
+
+
+async def test_close_leaves_an_explicit_engine_open(engine):
+    client = KVCMASClient(engine=engine, max_tokens=2)
+    await client.close()
+    assert not engine._closed
 
 
 def test_model_info_and_bad_arguments(client):
@@ -189,6 +211,7 @@ def test_component_round_trip(engine):
 def test_shared_engine_is_created_with_kvcmas_unless_reuse_is_set(engine, monkeypatch):
     created: list[tuple] = []
     monkeypatch.setattr(autogen_module, "get_engine", lambda model, **kw: created.append((model, kw)) or engine)
+    monkeypatch.setattr(autogen_module, "hold_engine", lambda model, **kw: created.append((model, kw)) or engine)
     assert KVCMASClient().engine is engine
     assert KVCMASClient("other-model", reuse="prefix").engine is engine
     register_team(RoundRobinGroupChat([AssistantAgent("a", model_client=KVCMASClient(engine=engine)),
