@@ -39,8 +39,10 @@ class ChatKVCMAS(BaseChatModel):
 
     All instances naming the same ``model`` share one engine (see ``kvcmas_agents.registry``), so
     the agents of a LangGraph or AutoGen workflow batch together and share KV cache. The agent
-    name the engine accounts a call to is the LangGraph node running it (``langgraph_node``
-    metadata), else ``agent``, else ``"default"``; ``llm.bind(agent=...)`` overrides both.
+    name the engine accounts a call to is, in order: ``llm.bind(agent=...)``, the ``agent`` field,
+    the model's ``name``, the LangGraph node running it (inside a subgraph, the parent node that runs
+    the subgraph, so ``create_react_agent(..., name="researcher")`` used as a node is "researcher"),
+    else ``"default"``.
 
     Agents reuse each other's KV: a shared engine created here runs ``reuse="kvcmas"`` unless
     ``reuse`` says otherwise, and ``reuse``/``recompute_ratio``/``rank``/``reference`` (fields, or
@@ -64,7 +66,7 @@ class ChatKVCMAS(BaseChatModel):
     streaming: bool = False
     """Stream by default (``invoke`` then goes through ``_stream``)."""
     agent: str | None = None
-    """Agent name when not running inside a LangGraph node."""
+    """Agent name for every call of this model (else ``name``, else the LangGraph node)."""
     reuse: str | None = None
     """KV reuse mode for this model's requests: "none", "prefix", "naive" or "kvcmas" (None: the
     engine's; a shared engine this instance creates runs "kvcmas")."""
@@ -192,7 +194,8 @@ class ChatKVCMAS(BaseChatModel):
         for key in _IGNORED_KEYS:
             kwargs.pop(key, None)
         engine = self.get_engine(kwargs.pop("model", None))
-        agent = kwargs.pop("agent", None) or _langgraph_node(run_manager) or self.agent or DEFAULT_AGENT
+        agent = (kwargs.pop("agent", None) or self.agent or self.name or _langgraph_agent(run_manager)
+                 or DEFAULT_AGENT)
         tools = kwargs.pop("tools", None) or None
         tool_choice = kwargs.pop("tool_choice", None)
         if tool_choice == "none":
@@ -274,9 +277,17 @@ def _check_tool_choice(tool_choice: dict[str, Any] | str | bool, names: list[str
     return tool_choice
 
 
-def _langgraph_node(run_manager: Any) -> str | None:
-    """The LangGraph node running this call, from run metadata or the current runnable config."""
+def _langgraph_agent(run_manager: Any) -> str | None:
+    """The LangGraph agent running this call, from run metadata or the current runnable config.
+
+    ``langgraph_checkpoint_ns`` is ``"node:task"`` segments joined by ``"|"``, outermost first, ending
+    with the node that runs this call. Inside a subgraph its nodes are the steps of one agent, the
+    parent node that runs the subgraph (the segment before the last).
+    """
     metadata = getattr(run_manager, "metadata", None) or ensure_config().get("metadata") or {}
+    namespace = metadata.get("langgraph_checkpoint_ns")
+    if isinstance(namespace, str) and "|" in namespace:
+        return namespace.split("|")[-2].partition(":")[0] or None
     node = metadata.get("langgraph_node")
     return node if isinstance(node, str) and node else None
 

@@ -6,6 +6,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 
 from kvcmas_agents.integrations.langchain import ChatKVCMAS
+from langgraph.graph import START, MessagesState, StateGraph
 from langgraph.prebuilt import create_react_agent
 
 # Moved to langchain.agents in LangGraph 1.0 (not installed here); still the agent users know.
@@ -39,3 +40,31 @@ def test_truncated_tool_call_is_invalid_streamed_or_not(engine_prefix):
     assert bad[0]["name"] == bad[1]["name"] == "get_weather"
     assert bad[0]["args"] == bad[1]["args"] and bad[0]["args"].startswith('<tool_call>{"name": "get_weather"')
     assert "invalid JSON" in bad[0]["error"]
+
+
+def test_react_agents_used_as_nodes_are_accounted_by_their_names(engine_prefix):
+    llm = ChatKVCMAS(engine=engine_prefix, max_tokens=4)
+    team = StateGraph(MessagesState)
+    for name in ("researcher", "writer"):
+        team.add_node(create_react_agent(llm, [get_weather], name=name))
+    team.add_node("critic", lambda state: {"messages": [llm.invoke(state["messages"])]})
+    team.add_edge(START, "researcher")
+    team.add_edge("researcher", "writer")
+    team.add_edge("writer", "critic")
+    out = team.compile().invoke({"messages": [HumanMessage("Write one line about Paris.")]})
+    assert [m.response_metadata["agent"] for m in out["messages"][1:]] == ["researcher", "writer", "critic"]
+
+
+def test_the_models_name_and_agent_fields_beat_the_node(engine_prefix):
+    def node(model: ChatKVCMAS):
+        return lambda state: {"messages": [model.invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("first", node(ChatKVCMAS(engine=engine_prefix, max_tokens=2, name="named")))
+    graph.add_node("second", node(ChatKVCMAS(engine=engine_prefix, max_tokens=2, name="named", agent="explicit")))
+    graph.add_node("third", node(ChatKVCMAS(engine=engine_prefix, max_tokens=2).bind(agent="bound")))
+    graph.add_edge(START, "first")
+    graph.add_edge("first", "second")
+    graph.add_edge("second", "third")
+    out = graph.compile().invoke({"messages": [HumanMessage("Hi")]})
+    assert [m.response_metadata["agent"] for m in out["messages"][1:]] == ["named", "explicit", "bound"]
