@@ -6,7 +6,7 @@
     team = RoundRobinGroupChat([AssistantAgent("planner", client), AssistantAgent("coder", client)], ...)
     register_team(team)                          # tell the engine the speaking order
 
-Inside a team, each request is attributed to the participant that made it (its AgentChat name), so
+Each request is attributed to the AgentChat agent that made it (in a team or run alone), so
 ``engine.stats()["agents"]`` reports per-agent usage without any per-agent configuration. The shared
 engine runs ``reuse="kvcmas"`` by default, so agents reuse the KV of messages other agents prefilled.
 """
@@ -31,7 +31,7 @@ from ._autogen_convert import (
     ToolCallFilter, json_instruction, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
     with_instruction,
 )
-from ._autogen_team import current_agent_name, team_edges
+from ._autogen_team import calling_agent_name, current_agent_name, team_edges
 
 __all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]
 
@@ -76,8 +76,9 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
             ``.gguf`` path. Clients naming the same model share one engine (``registry.get_engine``).
         temperature, max_tokens, top_p, top_k, seed, stop: default sampling; ``extra_create_args``
             may override them per call.
-        agent: the agent name to report when not called from inside an AutoGen message handler
-            (inside one, the handler's agent name wins; ``extra_create_args={"agent": ...}`` beats both).
+        agent: the agent name to report when no AgentChat agent is calling (a calling agent's name wins,
+            in a team or alone, then the running message handler's agent; ``extra_create_args={"agent": ...}``
+            beats all).
         reuse: KV reuse mode for this client's requests ("none", "prefix", "naive", "kvcmas"; None: the
             engine's). A shared engine this client creates runs ``reuse`` or, if None, "kvcmas".
         recompute_ratio, rank, reference: KVCMAS knobs for this client's requests (None: the engine's).
@@ -216,7 +217,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         if choice == "none":   # the model cannot call what it is not shown
             engine_tools, choice = [], "auto"
         msgs = with_instruction(to_engine_messages(messages), json_instruction(json_output))
-        agent = extra.get("agent") or current_agent_name() or self._agent or "default"
+        agent = extra.get("agent") or calling_agent_name() or current_agent_name() or self._agent or "default"
         return _Prepared(msgs, engine_tools or None, choice if engine_tools else None, sampling, agent,
                          reuse_options)
 

@@ -308,6 +308,20 @@ async def test_json_output_does_not_crash(client):
     assert isinstance(result.content, str)
 
 
+async def test_agents_run_alone_are_accounted_by_their_names(engine):
+    client = KVCMASClient(engine=engine, max_tokens=4, agent="fallback")
+    before = {n: agent_stats(engine, n).get("requests", 0) for n in ("scout", "scribe", "fallback")}
+    await AssistantAgent("scout", model_client=client).run(task="Name a colour.")
+    events = [e async for e in AssistantAgent("scribe", model_client=client, model_client_stream=True,
+                                                  tools=[WEATHER]).run_stream(task="Name a city.")]
+    assert isinstance(events[-1], TaskResult)
+    after = {n: agent_stats(engine, n).get("requests", 0) for n in before}
+    assert after["scout"] - before["scout"] >= 1 and after["scribe"] - before["scribe"] >= 1
+    assert after["fallback"] == before["fallback"]
+    await client.create(HELLO)             # no agent calling: the client's own name
+    assert agent_stats(engine, "fallback")["requests"] == before["fallback"] + 1
+
+
 # --- real teams -----------------------------------------------------------------------------------
 async def test_round_robin_team_reports_participant_names(engine):
     client = KVCMASClient(engine=engine, max_tokens=12)
