@@ -247,9 +247,11 @@ class Worker:
         if parsed is not None and parsed.tool_calls:
             reason = "tool_calls"
         now = time.perf_counter()
+        recomputed_reused = req.recomputed_tokens if self.method(req).recomputes_reused else 0
         usage = Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                       cached_tokens=req.cached_tokens, reused_tokens=req.reused_tokens,
-                      recomputed_tokens=req.recomputed_tokens)
+                      recomputed_tokens=req.recomputed_tokens,
+                      kept_tokens=req.cached_tokens + req.reused_tokens - recomputed_reused)
         return RequestOutput(
             request_id=req.request_id, agent=req.agent, text=text, token_ids=list(req.output_ids),
             finish_reason=reason, ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival,

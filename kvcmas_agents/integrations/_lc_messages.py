@@ -98,11 +98,9 @@ def usage_metadata(out: RequestOutput) -> UsageMetadata:
     """LangChain usage for one request; ``cache_read`` counts the prompt tokens whose stored KV served it
     as is: exact prefix hits plus reused tokens that were not recomputed (the split is in response_metadata)."""
     u = out.usage
-    # kvcomm counts its recomputed segments outside reused_tokens; the other modes count them inside (Usage).
-    recomputed_reused = 0 if out.reuse == "kvcomm" else u.recomputed_tokens
     return UsageMetadata(
         input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
-        input_token_details=InputTokenDetails(cache_read=u.cached_tokens + u.reused_tokens - recomputed_reused),
+        input_token_details=InputTokenDetails(cache_read=u.kept_tokens),
     )
 
 

@@ -351,11 +351,10 @@ def test_dumpd_and_loads_round_trip(llm):
     assert loaded.model_dump(exclude={"engine"}) == original.model_dump(exclude={"engine"})
 
 
-def test_cache_read_leaves_out_recomputed_tokens():
-    usage = Usage(prompt_tokens=100, completion_tokens=1, cached_tokens=10, reused_tokens=60, recomputed_tokens=15)
-    out = RequestOutput("r", "a", "", [], "stop", 0.0, 0.0, usage, reuse="kvcmas")
-    assert ai_message(out, "m").usage_metadata["input_token_details"]["cache_read"] == 55
-    meta = ai_message(out, "m").response_metadata
+def test_cache_read_is_the_kv_kept_as_is():
+    usage = Usage(prompt_tokens=100, completion_tokens=1, cached_tokens=10, reused_tokens=60, recomputed_tokens=15,
+                  kept_tokens=55)
+    message = ai_message(RequestOutput("r", "a", "", [], "stop", 0.0, 0.0, usage, reuse="kvcmas"), "m")
+    assert message.usage_metadata["input_token_details"]["cache_read"] == 55
+    meta = message.response_metadata
     assert (meta["cached_tokens"], meta["reused_tokens"], meta["recomputed_tokens"]) == (10, 60, 15)
-    out.reuse = "kvcomm"     # its recomputed segments are not among reused_tokens
-    assert ai_message(out, "m").usage_metadata["input_token_details"]["cache_read"] == 70
