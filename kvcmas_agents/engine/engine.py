@@ -164,7 +164,8 @@ class Engine:
         """Register the agent pipeline's edge order (predecessor, successor), e.g. from a LangGraph graph.
 
         Replaces any earlier registration. Shown in ``stats()["edges"]``; cross-agent reuse uses it to
-        pick each agent's reference view.
+        pick each agent's reference view and to correct ahead of time. Until edges are registered, the
+        engine uses the hand-offs it has seen instead (``stats()["learned_edges"]``, engine/handoffs.py).
         """
         clean = []
         for edge in edges:
@@ -174,12 +175,15 @@ class Engine:
         self.edges = clean         # replaced whole: readers see the old list or the new one
 
     def predecessors(self, agent: str) -> list[str]:
-        """Agents with an edge into ``agent``, in registration order."""
-        return [a for a, b in self.edges if b == agent]
+        """Agents with an edge into ``agent``, in registration (else learning) order."""
+        return [a for a, b in self._edge_order() if b == agent]
 
     def successors(self, agent: str) -> list[str]:
-        """Agents with an edge from ``agent``, in registration order."""
-        return [b for a, b in self.edges if a == agent and b != agent]
+        """Agents with an edge from ``agent``, in registration (else learning) order."""
+        return [b for a, b in self._edge_order() if a == agent and b != agent]
+
+    def _edge_order(self) -> list[tuple[str, str]]:
+        return self.edges or self.worker.handoffs.edges
 
     def declare_agent(self, agent: str, system: str | list[dict], tools: list[dict] | None = None,
                       wait: bool = True) -> int:
@@ -234,7 +238,8 @@ class Engine:
             (corrections, anchors), and their totals (``total_bytes_peak`` is the benchmarks' peak);
         counters: requests by outcome, tokens, steps, fallbacks, and the queue;
         reuse: home views, and each reuse method's own figures by name (e.g. "kvcmas", "kvcomm");
-        agents: per-agent usage and TTFT; edges: the registered edge order.
+        agents: per-agent usage and TTFT; edges: the registered edge order; learned_edges: the hand-offs
+            seen in traffic, used while no edges are registered.
         """
         kv, home = self.store.stats(), self.segments.stats()
         counts, agents = self.counters.snapshot()
@@ -260,6 +265,7 @@ class Engine:
                       **{name: st for name, m in self.methods.items() if (st := m.stats())}},
             "agents": agents,
             "edges": list(self.edges),
+            "learned_edges": list(self.worker.handoffs.edges),
         }
 
     def reset_peak(self) -> None:

@@ -19,6 +19,7 @@ from ..chat.tools import parse_tool_calls
 from ..errors import EngineClosedError, EngineError
 from ..model.sampling import Sampler
 from ..reuse.base import ReuseMethod
+from .handoffs import HandOffs
 from .outputs import RequestOutput, StreamDelta, Usage
 from .request import Request
 from .runner import ModelRunner
@@ -36,6 +37,7 @@ class Worker:
         self.sampler = Sampler()
         self.tokenizer, self.tok_lock, self.stop_token_ids = tokenizer, tok_lock, stop_token_ids
         self.counters, self.inbox = counters, inbox
+        self.handoffs = HandOffs()
         self.peak_total = 0
 
     def method(self, req: Request) -> ReuseMethod:
@@ -75,6 +77,8 @@ class Worker:
             if cmd == CLOSE:
                 return False
             if cmd == ADD:
+                if not arg.declare:
+                    self.handoffs.arrived(arg.agent)
                 self.scheduler.add(arg)
             elif cmd == ABORT and arg.finish_reason is None:
                 arg.aborted = True
@@ -225,6 +229,7 @@ class Worker:
             if reason != "error":        # fail() sends the error itself
                 self.emit(req, StreamDelta(text="", token_ids=[], finish_reason=reason))
             return
+        self.handoffs.finished(req.agent, reason not in ("aborted", "error"))
         if reason in ("aborted", "error"):
             self.counters.add("aborted" if reason == "aborted" else "failed")
             return

@@ -235,6 +235,23 @@ async def test_default_chat_models_create_a_kvcmas_engine_and_later_agents_reuse
         engine.close()
 
 
+async def test_an_unregistered_graph_is_learned_from_its_first_turn():
+    """Nobody registers the pipeline: the engine learns who hands off to whom (and each agent's system
+    prompt) on the first turn, and corrects the coder's and reviewer's history ahead of time from the second."""
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    try:
+        compiled = pipeline(ChatKVCMAS(engine=engine, max_tokens=8)).compile()
+        await compiled.ainvoke({"messages": [HumanMessage("Write a function that adds two numbers.")]})
+        stats = engine.stats()
+        assert stats["edges"] == [] and stats["learned_edges"] == [("planner", "coder"), ("coder", "reviewer")]
+        assert stats["reuse"]["kvcmas"]["prefetch"]["corrections"] == 0     # nothing known ahead yet
+        await compiled.ainvoke({"messages": [HumanMessage("Write a function that subtracts two numbers.")]})
+        by_agent = engine.stats()["reuse"]["kvcmas"]["prefetch"]["by_agent"]
+        assert by_agent.get("coder", 0) > 0 and by_agent.get("reviewer", 0) > 0, by_agent
+    finally:
+        engine.close()
+
+
 async def test_explicit_engine_kvcmas_pipeline_reuses_and_prefix_override_does_not(kvcmas_engine):
     task = {"messages": [HumanMessage("Write a function that counts vowels.")]}
     compiled = pipeline(ChatKVCMAS(engine=kvcmas_engine, max_tokens=12)).compile()
