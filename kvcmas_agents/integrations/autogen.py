@@ -28,9 +28,9 @@ from typing_extensions import Self
 from ..engine import Engine, EngineError, RequestOutput, ReuseOptions, SamplingParams
 from ..registry import ADAPTER_REUSE, get_engine, hold_engine, release_engine
 from ._autogen_convert import (
-    ToolCallFilter, json_instruction, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
-    with_instruction,
+    json_instruction, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools, with_instruction,
 )
+from ._tool_filter import ToolBlockFilter
 from ._autogen_team import calling_agent_name, current_agent_name, team_edges
 
 __all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]
@@ -178,7 +178,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         task.add_done_callback(lambda _: queue.put_nowait(_DONE))
         if cancellation_token is not None:
             cancellation_token.link_future(task)
-        hold = ToolCallFilter(enabled=bool(req.tools))
+        hold = ToolBlockFilter() if req.tools else None
         try:
             while True:
                 item = await queue.get()
@@ -186,8 +186,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
                     if task.cancelled():
                         raise asyncio.CancelledError()
                     raise task.exception() or EngineError("stream ended without an output")
-                chunk = hold.push(item.text)
-                if item.output is not None:
+                chunk = hold.push(item.text) if hold else item.text
+                if item.output is not None and hold:
                     chunk += hold.flush()
                 if chunk:
                     yield chunk

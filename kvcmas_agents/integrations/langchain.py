@@ -21,6 +21,7 @@ from ..registry import ADAPTER_REUSE, get_engine
 from . import _lc_messages as conv
 from . import _lc_structured as structured
 from ._lc_sync import iterate_sync
+from ._tool_filter import ToolBlockFilter
 
 DEFAULT_AGENT = "default"
 _SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
@@ -294,7 +295,7 @@ def _langgraph_agent(run_manager: Any) -> str | None:
 
 async def _chunks(engine: Engine, request: dict[str, Any]) -> AsyncIterator[ChatGenerationChunk]:
     """Engine deltas as LangChain chunks; tool-call blocks are held back for the final chunk."""
-    hide = conv.ToolBlockFilter() if request["tools"] else None
+    hide = ToolBlockFilter() if request["tools"] else None
     async for delta in engine.stream(**request):
         text = hide.push(delta.text) if hide else delta.text
         if delta.output is not None:

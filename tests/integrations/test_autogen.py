@@ -30,10 +30,9 @@ from kvcmas_agents.engine.outputs import RequestOutput, Usage
 from kvcmas_agents.chat.tools import InvalidToolCall, ToolCall
 from kvcmas_agents.integrations import KVCMASClient, register_team
 from kvcmas_agents.integrations import autogen as autogen_module
-from kvcmas_agents.integrations._autogen_convert import (
-    ToolCallFilter, clean_json, to_create_result, to_engine_messages,
-)
+from kvcmas_agents.integrations._autogen_convert import clean_json, to_create_result, to_engine_messages
 from kvcmas_agents.integrations._autogen_team import current_agent_name
+from kvcmas_agents.integrations._tool_filter import ToolBlockFilter
 
 HELLO = [SystemMessage(content="You are a helpful assistant."),
          UserMessage(content="Say hello in one short sentence.", source="user")]
@@ -275,12 +274,14 @@ def test_json_cleaning_is_best_effort():
     assert clean_json('{"town": "Oslo"}', Answer) == '{"town": "Oslo"}'
 
 
-def test_tool_call_filter_hides_call_blocks():
-    hold = ToolCallFilter(enabled=True)
+def test_tool_block_filter_hides_call_blocks():
+    hold = ToolBlockFilter()
     shown = [hold.push(t) for t in ["Let me", " check <", "tool_", "call>{\"name\"", ": 1}</tool_call>"]]
     assert "".join(shown) + hold.flush() == "Let me check "
-    plain = ToolCallFilter(enabled=True)
+    plain = ToolBlockFilter()
     assert plain.push("a <b") == "a <b" and plain.push(" <to") == " " and plain.flush() == "<to"
+    cut = ToolBlockFilter()
+    assert cut.push("x <tool_call>{\"name\": ") == "x " and cut.flush() == ""     # a cut-off block stays hidden
 
 
 # --- tool calls on the real model -----------------------------------------------------------------
