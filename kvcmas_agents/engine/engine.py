@@ -127,6 +127,7 @@ class Engine:
         self.counters = Counters()
         self.worker = Worker(self.scheduler, self.methods, self.runner, self.store, self.tokenizer, self._tok_lock,
                              self.stop_token_ids, self.counters, self._inbox)
+        self._order.learned = self.worker.handoffs
 
     # --- public API ------------------------------------------------------------------------
     async def generate(self, messages: list[dict], agent: str = "default",
@@ -202,7 +203,8 @@ class Engine:
         """Register the agent pipeline's edge order (predecessor, successor), e.g. from a LangGraph graph.
 
         Replaces any earlier registration. Shown in ``stats()["edges"]``; cross-agent reuse uses it to
-        pick each agent's reference view.
+        pick each agent's reference view and to correct ahead of time. Until edges are registered, the
+        engine uses the hand-offs it has seen instead (``stats()["learned_edges"]``, engine/handoffs.py).
         """
         self._order.set(edges)
 
@@ -211,11 +213,11 @@ class Engine:
         return self._order.edges
 
     def predecessors(self, agent: str) -> list[str]:
-        """Agents with an edge into ``agent``, in registration order."""
+        """Agents with an edge into ``agent``, in registration (else learning) order."""
         return self._order.predecessors(agent)
 
     def successors(self, agent: str) -> list[str]:
-        """Agents with an edge from ``agent``, in registration order."""
+        """Agents with an edge from ``agent``, in registration (else learning) order."""
         return self._order.successors(agent)
 
     def declare_agent(self, agent: str, system: str | list[dict], tools: list[dict] | None = None,
@@ -258,6 +260,11 @@ class Engine:
         with self._tok_lock:
             return len(self.formatter.render(messages, tools).token_ids)
 
+    def tokenize(self, text: str) -> list[int]:
+        """The model's token ids for plain ``text`` (no chat template, no special tokens)."""
+        with self._tok_lock:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def stats(self) -> dict[str, Any]:
         """A snapshot, grouped (docs/stats.md):
 
@@ -266,7 +273,8 @@ class Engine:
             (corrections, anchors), and their totals (``total_bytes_peak`` is the benchmarks' peak);
         counters: requests by outcome, tokens, steps, fallbacks, and the queue;
         reuse: home views, and each reuse method's own figures by name (e.g. "kvcmas", "kvcomm");
-        agents: per-agent usage and TTFT; edges: the registered edge order.
+        agents: per-agent usage and TTFT; edges: the registered edge order; learned_edges: the hand-offs
+            seen in traffic, used while no edges are registered.
         """
         kv, home = self.store.stats(), self.segments.stats()
         counts, agents = self.counters.snapshot()
@@ -294,6 +302,7 @@ class Engine:
                       **{name: st for name, m in self.methods.items() if (st := m.stats())}},
             "agents": agents,
             "edges": list(self.edges),
+            "learned_edges": list(self.worker.handoffs.edges),
         }
 
     def reset_peak(self) -> None:

@@ -16,6 +16,8 @@ class Usage:
         with kvcomm only the segments served from anchors).
     recomputed_tokens: reused tokens that were recomputed to correct them (kvcmas, cacheblend); with
         kvcomm, the tokens of segments prefilled densely because no anchor matched (not in reused_tokens).
+    kept_tokens: prompt tokens whose stored KV served the request as is: cached tokens plus the reused
+        tokens that were not recomputed.
     """
 
     prompt_tokens: int = 0
@@ -23,6 +25,7 @@ class Usage:
     cached_tokens: int = 0
     reused_tokens: int = 0
     recomputed_tokens: int = 0
+    kept_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -19,6 +19,7 @@ from ..chat.tools import parse_tool_calls
 from ..errors import EngineClosedError, EngineError
 from ..model.sampling import Sampler
 from ..reuse.base import ReuseMethod
+from .handoffs import HandOffs
 from .outputs import RequestOutput, StreamDelta, Usage
 from .request import Request
 from .runner import ModelRunner
@@ -36,6 +37,7 @@ class Worker:
         self.sampler = Sampler()
         self.tokenizer, self.tok_lock, self.stop_token_ids = tokenizer, tok_lock, stop_token_ids
         self.counters, self.inbox = counters, inbox
+        self.handoffs = HandOffs()
         self.peak_total = 0
         self.state_over_budget = 0       # most bytes of state that could not be charged (in use by requests)
         scheduler.reject = self.fail
@@ -81,6 +83,8 @@ class Worker:
             if cmd == CLOSE:
                 return False
             if cmd == ADD:
+                if not arg.declare:
+                    self.handoffs.arrived(arg.agent)
                 self.scheduler.add(arg)
             elif cmd == ABORT and arg.finish_reason is None:
                 arg.aborted = True
@@ -262,6 +266,7 @@ class Worker:
             if reason != "error":        # fail() sends the error itself
                 self.emit(req, StreamDelta(text="", token_ids=[], finish_reason=reason))
             return
+        self.handoffs.finished(req.agent, reason not in ("aborted", "error"))
         if reason in ("aborted", "error"):
             self.counters.add("aborted" if reason == "aborted" else "failed")
             return
@@ -284,9 +289,11 @@ class Worker:
         if parsed is not None and parsed.tool_calls:
             reason = "tool_calls"
         now = time.perf_counter()
+        recomputed_reused = req.recomputed_tokens if self.method(req).recomputes_reused else 0
         usage = Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                       cached_tokens=req.cached_tokens, reused_tokens=req.reused_tokens,
-                      recomputed_tokens=req.recomputed_tokens)
+                      recomputed_tokens=req.recomputed_tokens,
+                      kept_tokens=req.cached_tokens + req.reused_tokens - recomputed_reused)
         return RequestOutput(
             request_id=req.request_id, agent=req.agent, text=text, token_ids=list(req.output_ids),
             finish_reason=reason, ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival,

@@ -13,7 +13,6 @@ from autogen_core.models import (
 from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel, ValidationError
 
-from ..chat.tools import TOOL_CALL_OPEN
 from ..engine.outputs import RequestOutput
 
 _FENCE_RE = re.compile(r"```(?:json)?\s*\n?(.*?)\n?\s*```", re.DOTALL)
@@ -162,40 +161,3 @@ def to_create_result(out: RequestOutput, json_output: bool | type[BaseModel] | N
         text = clean_json(text, json_output)
     reason = out.finish_reason if out.finish_reason in ("stop", "length") else "unknown"
     return CreateResult(finish_reason=reason, content=text, usage=usage, cached=False)
-
-
-class ToolCallFilter:
-    """Holds back streamed text from the first <tool_call> on, so chunks carry only plain content."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._pending = ""
-        self._in_call = False
-
-    def push(self, text: str) -> str:
-        """Return the part of ``text`` that is safe to show now."""
-        if not self.enabled:
-            return text
-        if self._in_call:
-            return ""
-        buf = self._pending + text
-        start = buf.find(TOOL_CALL_OPEN)
-        if start >= 0:
-            self._in_call, self._pending = True, ""
-            return buf[:start]
-        keep = _partial_suffix(buf, TOOL_CALL_OPEN)
-        self._pending = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep]
-
-    def flush(self) -> str:
-        """Text still held back when the stream ended without a tool call."""
-        text, self._pending = ("" if self._in_call else self._pending), ""
-        return text
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0

@@ -1,9 +1,33 @@
 """Agent identity and edge order for AutoGen teams, read from AutoGen's own objects."""
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from autogen_core import MessageHandlerContext
+
+_MAX_FRAMES = 64     # the agent's method is a few frames above the client call; stop well before the loop's
+
+
+def calling_agent_name() -> str | None:
+    """The name of the AgentChat agent whose method is calling the model client, or None.
+
+    AgentChat hands the client no identity, and an agent run on its own (``agent.run``) has no
+    message-handler context, so the caller's frames are searched for the agent method making the call.
+    """
+    try:
+        from autogen_agentchat.base import ChatAgent
+    except ImportError:          # autogen-core alone: there are no AgentChat agents
+        return None
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, ChatAgent):
+            return owner.name
+        frame = frame.f_back
+    return None
 
 
 

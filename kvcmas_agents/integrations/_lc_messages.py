@@ -16,8 +16,9 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.utils.json import parse_partial_json
 
-from ..chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from ..chat.tools import TOOL_CALL_OPEN, InvalidToolCall, format_tool_call
 from ..engine import RequestOutput
 
 PROVIDER = "kvcmas"
@@ -94,11 +95,12 @@ def _text_content(i: int, msg: BaseMessage) -> str:
 
 
 def usage_metadata(out: RequestOutput) -> UsageMetadata:
-    """LangChain usage for one request; cache reads count exact prefix hits plus cross-agent reuse."""
+    """LangChain usage for one request; ``cache_read`` counts the prompt tokens whose stored KV served it
+    as is: exact prefix hits plus reused tokens that were not recomputed (the split is in response_metadata)."""
     u = out.usage
     return UsageMetadata(
         input_tokens=u.prompt_tokens, output_tokens=u.completion_tokens, total_tokens=u.total_tokens,
-        input_token_details=InputTokenDetails(cache_read=u.cached_tokens + u.reused_tokens),
+        input_token_details=InputTokenDetails(cache_read=u.kept_tokens),
     )
 
 
@@ -118,7 +120,7 @@ def ai_message(out: RequestOutput, model_name: str) -> AIMessage:
     return AIMessage(
         content=out.content,
         tool_calls=[tool_call(name=c.name, args=c.arguments, id=c.id) for c in out.tool_calls],
-        invalid_tool_calls=[invalid_tool_call(name=c.name, args=c.arguments, id=c.id, error=c.error)
+        invalid_tool_calls=[invalid_tool_call(name=c.name, args=unusable_args(c), id=c.id, error=c.error)
                             for c in out.invalid_tool_calls],
         usage_metadata=usage_metadata(out),
         response_metadata=response_metadata(out, model_name),
@@ -129,7 +131,7 @@ def final_chunk(text: str, out: RequestOutput, model_name: str) -> AIMessageChun
     """The last streamed chunk: remaining text, tool calls as chunks, usage and finish reason."""
     chunks = [tool_call_chunk(name=c.name, args=json.dumps(c.arguments, ensure_ascii=False), id=c.id, index=k)
               for k, c in enumerate(out.tool_calls)]
-    chunks += [tool_call_chunk(name=c.name, args=c.arguments, id=c.id, index=len(chunks) + k)
+    chunks += [tool_call_chunk(name=c.name, args=unusable_args(c), id=c.id, index=len(chunks) + k)
                for k, c in enumerate(out.invalid_tool_calls)]
     return AIMessageChunk(
         content=text, tool_call_chunks=chunks, usage_metadata=usage_metadata(out),
@@ -137,51 +139,22 @@ def final_chunk(text: str, out: RequestOutput, model_name: str) -> AIMessageChun
     )
 
 
-class ToolBlockFilter:
-    """Hides ``<tool_call>...</tool_call>`` blocks from streamed text.
+def unusable_args(call: InvalidToolCall) -> str:
+    """An invalid call's ``args`` in a form LangChain keeps invalid, the same streamed or not.
 
-    Text that might be the start of an opening tag is held back until the next push, so streamed
-    content matches the non-streaming ``content`` (tool calls arrive on the final chunk instead).
+    Merged stream chunks are re-parsed with LangChain's lenient partial-JSON parser, which reads a
+    cut-off block (``{"name": "f", "argu``) or the arguments of a call to an unknown tool as a valid
+    call. Raw text it cannot read that way is passed as is; otherwise the call is shown as the model
+    wrote it, in its ``<tool_call>`` format (the tag keeps it from parsing).
     """
-
-    def __init__(self) -> None:
-        self._buf = ""
-        self._inside = False
-
-    def push(self, text: str) -> str:
-        """Add streamed text; return what can be shown now."""
-        self._buf += text
-        shown: list[str] = []
-        while True:
-            if self._inside:
-                end = self._buf.find(TOOL_CALL_CLOSE)
-                if end < 0:
-                    self._buf = self._buf[-(len(TOOL_CALL_CLOSE) - 1):]   # a close tag may straddle pushes
-                    break
-                self._buf = self._buf[end + len(TOOL_CALL_CLOSE):]
-                self._inside = False
-            else:
-                start = self._buf.find(TOOL_CALL_OPEN)
-                if start < 0:
-                    hold = _partial_tag_len(self._buf, TOOL_CALL_OPEN)
-                    shown.append(self._buf[:len(self._buf) - hold])
-                    self._buf = self._buf[len(self._buf) - hold:]
-                    break
-                shown.append(self._buf[:start])
-                self._buf = self._buf[start + len(TOOL_CALL_OPEN):]
-                self._inside = True
-        return "".join(shown)
-
-    def flush(self) -> str:
-        """Return any held-back text that turned out not to be a tag."""
-        text = "" if self._inside else self._buf
-        self._buf = ""
-        return text
-
-
-def _partial_tag_len(text: str, tag: str) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+    raw = call.arguments or ""
+    try:
+        readable = not raw or isinstance(parse_partial_json(raw), dict)
+    except ValueError:
+        readable = False
+    if not readable:
+        return raw
+    try:
+        return format_tool_call(call.name or "", json.loads(raw) if raw else {})
+    except ValueError:   # cut off: the block as far as the model got
+        return TOOL_CALL_OPEN + raw

@@ -6,7 +6,7 @@
     team = RoundRobinGroupChat([AssistantAgent("planner", client), AssistantAgent("coder", client)], ...)
     register_team(team)                          # tell the engine the speaking order
 
-Inside a team, each request is attributed to the participant that made it (its AgentChat name), so
+Each request is attributed to the AgentChat agent that made it (in a team or run alone), so
 ``engine.stats()["agents"]`` reports per-agent usage without any per-agent configuration. The shared
 engine runs ``reuse="kvcmas"`` by default, so agents reuse the KV of messages other agents prefilled.
 """
@@ -26,12 +26,13 @@ from pydantic import BaseModel
 from typing_extensions import Self
 
 from ..engine import Engine, EngineError, RequestOutput, ReuseOptions, SamplingParams
-from ..registry import ADAPTER_REUSE, get_engine
+from ..registry import ADAPTER_REUSE, get_engine, hold_engine, release_engine
 from ._autogen_convert import (
-    ToolCallFilter, json_instruction, response_format, to_create_result, to_engine_messages, to_engine_tool_choice,
-    to_engine_tools, with_instruction,
+    json_instruction, response_format, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
+    with_instruction,
 )
-from ._autogen_team import current_agent_name, team_edges
+from ._tool_filter import ToolBlockFilter
+from ._autogen_team import calling_agent_name, current_agent_name, team_edges
 
 __all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]
 
@@ -76,8 +77,9 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
             ``.gguf`` path. Clients naming the same model share one engine (``registry.get_engine``).
         temperature, max_tokens, top_p, top_k, seed, stop: default sampling; ``extra_create_args``
             may override them per call.
-        agent: the agent name to report when not called from inside an AutoGen message handler
-            (inside one, the handler's agent name wins; ``extra_create_args={"agent": ...}`` beats both).
+        agent: the agent name to report when no AgentChat agent is calling (a calling agent's name wins,
+            in a team or alone, then the running message handler's agent; ``extra_create_args={"agent": ...}``
+            beats all).
         reuse: KV reuse mode for this client's requests ("none", "prefix", "naive", "kvcmas"; None: the
             engine's). A shared engine this client creates runs ``reuse`` or, if None, "kvcmas".
         recompute_ratio, rank, reference: KVCMAS knobs for this client's requests (None: the engine's).
@@ -105,6 +107,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         self._reuse = ReuseOptions(reuse, recompute_ratio, rank, reference)
         self._reuse.validate()
         self._engine = engine
+        self._held = False              # True once it holds the shared engine (released by close)
+        self._closed = False
         self._model_info: ModelInfo = model_info or {
             # json_output and structured output are enforced while decoding (grammar-constrained).
             "vision": False, "function_calling": True, "json_output": True,
@@ -119,8 +123,11 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
     @property
     def engine(self) -> Engine:
         """The engine serving this client (the shared one is created on first use)."""
+        if self._closed:
+            raise RuntimeError("KVCMASClient is closed")
         if self._engine is None:
-            self._engine = get_engine(self._model, reuse=self._reuse.reuse or ADAPTER_REUSE)
+            self._engine = hold_engine(self._model, reuse=self._reuse.reuse or ADAPTER_REUSE)
+            self._held = True
         return self._engine
 
     # --- requests -----------------------------------------------------------------------------
@@ -172,7 +179,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         task.add_done_callback(lambda _: queue.put_nowait(_DONE))
         if cancellation_token is not None:
             cancellation_token.link_future(task)
-        hold = ToolCallFilter(enabled=bool(req.tools))
+        hold = ToolBlockFilter() if req.tools else None
         try:
             while True:
                 item = await queue.get()
@@ -180,8 +187,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
                     if task.cancelled():
                         raise asyncio.CancelledError()
                     raise task.exception() or EngineError("stream ended without an output")
-                chunk = hold.push(item.text)
-                if item.output is not None:
+                chunk = hold.push(item.text) if hold else item.text
+                if item.output is not None and hold:
                     chunk += hold.flush()
                 if chunk:
                     yield chunk
@@ -212,7 +219,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         if choice == "none":   # the model cannot call what it is not shown
             engine_tools, choice = [], "auto"
         msgs = with_instruction(to_engine_messages(messages), json_instruction(json_output))
-        agent = extra.get("agent") or current_agent_name() or self._agent or "default"
+        agent = extra.get("agent") or calling_agent_name() or current_agent_name() or self._agent or "default"
         return _Prepared(msgs, engine_tools or None, choice if engine_tools else None, sampling, agent,
                          reuse_options)
 
@@ -251,7 +258,16 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
                 "json_output": self._model_info["json_output"]}
 
     async def close(self) -> None:
-        """No-op: the engine is shared by other clients (close it via ``registry.close_all``)."""
+        """Release this client's hold on the shared engine; the engine closes when its last user does.
+
+        An engine passed as ``engine=`` is the caller's and stays open. The client cannot be used after.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._held:
+            await asyncio.get_running_loop().run_in_executor(None, release_engine, self._engine)
+        self._engine = None
 
     # --- component config -----------------------------------------------------------------------
     def _to_config(self) -> KVCMASClientConfig:

@@ -1,6 +1,7 @@
 """LangChain chat model backed by the process-wide embedded kvcmas engine."""
 from __future__ import annotations
 
+import warnings
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -20,11 +21,18 @@ from ..registry import ADAPTER_REUSE, get_engine
 from . import _lc_messages as conv
 from . import _lc_structured as structured
 from ._lc_sync import iterate_sync
+from ._tool_filter import ToolBlockFilter
 
 DEFAULT_AGENT = "default"
 _SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
 _REUSE_KEYS = ("reuse", "recompute_ratio", "rank", "reference")
 _IGNORED_KEYS = ("stream", "parallel_tool_calls", "strict")   # accepted for API compatibility; no effect
+# Constructor names other chat models use for our fields (ChatOpenAI, ChatOllama, ChatAnthropic).
+_ALIASES = {"model_name": "model", "max_completion_tokens": "max_tokens", "num_predict": "max_tokens",
+            "stop_sequences": "stop"}
+# Settings of remote clients that mean nothing to an in-process engine: warned about, then dropped.
+_REMOTE_ONLY = frozenset({"timeout", "request_timeout", "max_retries", "api_key", "openai_api_key", "base_url",
+                          "openai_api_base", "organization", "default_headers", "http_client", "keep_alive"})
 
 
 class ChatKVCMAS(BaseChatModel):
@@ -32,8 +40,10 @@ class ChatKVCMAS(BaseChatModel):
 
     All instances naming the same ``model`` share one engine (see ``kvcmas_agents.registry``), so
     the agents of a LangGraph or AutoGen workflow batch together and share KV cache. The agent
-    name the engine accounts a call to is the LangGraph node running it (``langgraph_node``
-    metadata), else ``agent``, else ``"default"``; ``llm.bind(agent=...)`` overrides both.
+    name the engine accounts a call to is, in order: ``llm.bind(agent=...)``, the ``agent`` field,
+    the model's ``name``, the LangGraph node running it (inside a subgraph, the parent node that runs
+    the subgraph, so ``create_react_agent(..., name="researcher")`` used as a node is "researcher"),
+    else ``"default"``.
 
     Agents reuse each other's KV: a shared engine created here runs ``reuse="kvcmas"`` unless
     ``reuse`` says otherwise, and ``reuse``/``recompute_ratio``/``rank``/``reference`` (fields, or
@@ -53,11 +63,11 @@ class ChatKVCMAS(BaseChatModel):
     top_k: int | None = None
     seed: int | None = None
     stop: list[str] | None = None
-    """Stop strings; per-call ``stop`` adds to these."""
+    """Stop strings; a per-call ``stop`` replaces these (as in ChatOpenAI)."""
     streaming: bool = False
     """Stream by default (``invoke`` then goes through ``_stream``)."""
     agent: str | None = None
-    """Agent name when not running inside a LangGraph node."""
+    """Agent name for every call of this model (else ``name``, else the LangGraph node)."""
     reuse: str | None = None
     """KV reuse mode for this model's requests: "none", "prefix", "naive" or "kvcmas" (None: the
     engine's; a shared engine this instance creates runs "kvcmas")."""
@@ -70,12 +80,44 @@ class ChatKVCMAS(BaseChatModel):
     engine: Engine | None = Field(default=None, exclude=True, repr=False)
     """An explicit engine; overrides the shared registry engine."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, values: Any) -> Any:
+        """Map other chat models' names for our fields; warn about remote-only settings; reject the rest."""
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        for alias, field in _ALIASES.items():
+            if alias in values:
+                if field in values:
+                    raise ValueError(f"ChatKVCMAS got both {field!r} and its alias {alias!r}; give one")
+                values[field] = values.pop(alias)
+        remote = sorted(k for k in values if k in _REMOTE_ONLY)
+        if remote:
+            warnings.warn(f"ChatKVCMAS runs the model in this process; {remote} has no effect and is ignored",
+                          UserWarning, stacklevel=4)
+        unknown = sorted(set(values) - set(cls.model_fields) - _REMOTE_ONLY - {"callback_manager"})
+        if unknown:
+            raise ValueError(f"ChatKVCMAS got unexpected arguments {unknown}; its fields are "
+                             f"{sorted(cls.model_fields)} (see also {sorted(_ALIASES)})")
+        return {k: v for k, v in values.items() if k not in _REMOTE_ONLY}
+
     @model_validator(mode="after")
     def _check_reuse_options(self) -> "ChatKVCMAS":
         self._reuse_options({}).validate()
         return self
 
     # --- LangChain metadata ------------------------------------------------------------------
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """True: ``dumpd``/``loads`` round-trip the settings (an explicit ``engine`` is not kept)."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        """``["kvcmas_agents", "integrations", "langchain"]``; pass ``valid_namespaces=["kvcmas_agents"]`` to ``loads``."""
+        return ["kvcmas_agents", "integrations", "langchain"]
+
     @property
     def _llm_type(self) -> str:
         return "kvcmas"
@@ -102,6 +144,12 @@ class ChatKVCMAS(BaseChatModel):
         if self.engine is not None and (model is None or model == self.model):
             return self.engine
         return get_engine(model if model is not None else self.model, reuse=self.reuse or ADAPTER_REUSE)
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's own token ids for ``text`` (no special tokens), unless ``custom_get_token_ids`` is set."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
+        return self.get_engine().tokenize(text)
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage],
                                      tools: Sequence[Any] | None = None) -> int:
@@ -147,7 +195,8 @@ class ChatKVCMAS(BaseChatModel):
         for key in _IGNORED_KEYS:
             kwargs.pop(key, None)
         engine = self.get_engine(kwargs.pop("model", None))
-        agent = kwargs.pop("agent", None) or _langgraph_node(run_manager) or self.agent or DEFAULT_AGENT
+        agent = (kwargs.pop("agent", None) or self.agent or self.name or _langgraph_agent(run_manager)
+                 or DEFAULT_AGENT)
         tools = kwargs.pop("tools", None) or None
         tool_choice = kwargs.pop("tool_choice", None)
         if tool_choice == "none":
@@ -168,13 +217,13 @@ class ChatKVCMAS(BaseChatModel):
         return ReuseOptions(**{k: overrides.get(k, getattr(self, k)) for k in _REUSE_KEYS})
 
     def _sampling(self, stop: list[str] | None, overrides: dict[str, Any]) -> SamplingParams:
-        merged = list(dict.fromkeys([*(self.stop or []), *(stop or [])]))
         params = {"temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
                   "top_k": self.top_k, "seed": self.seed, **overrides}
         return SamplingParams(
             max_tokens=params["max_tokens"], temperature=params["temperature"],
             top_p=1.0 if params["top_p"] is None else params["top_p"],
-            top_k=0 if params["top_k"] is None else params["top_k"], seed=params["seed"], stop=merged)
+            top_k=0 if params["top_k"] is None else params["top_k"], seed=params["seed"],
+            stop=list(self.stop or []) if stop is None else list(stop))
 
     # --- tools and structured output -----------------------------------------------------------
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool], *,
@@ -233,16 +282,24 @@ def _check_tool_choice(tool_choice: dict[str, Any] | str | bool, names: list[str
     return tool_choice
 
 
-def _langgraph_node(run_manager: Any) -> str | None:
-    """The LangGraph node running this call, from run metadata or the current runnable config."""
+def _langgraph_agent(run_manager: Any) -> str | None:
+    """The LangGraph agent running this call, from run metadata or the current runnable config.
+
+    ``langgraph_checkpoint_ns`` is ``"node:task"`` segments joined by ``"|"``, outermost first, ending
+    with the node that runs this call. Inside a subgraph its nodes are the steps of one agent, the
+    parent node that runs the subgraph (the segment before the last).
+    """
     metadata = getattr(run_manager, "metadata", None) or ensure_config().get("metadata") or {}
+    namespace = metadata.get("langgraph_checkpoint_ns")
+    if isinstance(namespace, str) and "|" in namespace:
+        return namespace.split("|")[-2].partition(":")[0] or None
     node = metadata.get("langgraph_node")
     return node if isinstance(node, str) and node else None
 
 
 async def _chunks(engine: Engine, request: dict[str, Any]) -> AsyncIterator[ChatGenerationChunk]:
     """Engine deltas as LangChain chunks; tool-call blocks are held back for the final chunk."""
-    hide = conv.ToolBlockFilter() if request["tools"] else None
+    hide = ToolBlockFilter() if request["tools"] else None
     async for delta in engine.stream(**request):
         text = hide.push(delta.text) if hide else delta.text
         if delta.output is not None:

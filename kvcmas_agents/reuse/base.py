@@ -95,6 +95,7 @@ class ReuseMethod:
     name: ClassVar[str]
     cross_agent: ClassVar[bool] = False      # reads other agents' home views (needs realignable RoPE)
     reuses: ClassVar[bool] = True            # reuses any KV at all (a declared prefix can help it)
+    recomputes_reused: ClassVar[bool] = True  # its recomputed_tokens are among its reused_tokens
     config_class: ClassVar[type | None] = None
 
     def __init__(self, ctx: ReuseContext, settings: Any = None):

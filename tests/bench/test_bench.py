@@ -53,7 +53,8 @@ def test_headline_figures_undeclared_replays_and_where_ttft_goes(report):
     assert set(plain) == {"none", "prefix", "kvcmas", "kvcmas-copy"} and not any(m["declared"] for m in plain.values())
     assert all(m["declared"] for m in methods.values())
     assert plain["kvcmas"]["engine"]["declared"] == 0 < methods["kvcmas"]["engine"]["declared"]
-    assert (plain["kvcmas"]["engine"]["prefetch"] or {}).get("queued", 0) == 0   # no edges: nothing ahead of time
+    # No edges given and one round: the hand-offs are learned too late to work ahead (engine/handoffs.py).
+    assert (plain["kvcmas"]["engine"]["prefetch"] or {}).get("queued", 0) == 0
     for m in list(methods.values()) + list(plain.values()):
         assert m["ratios"]["replay_time_vs_prefix"] == pytest.approx(m["wall_s"] / (plain if m in plain.values()
                                                                                     else methods)["prefix"]["wall_s"])

@@ -30,10 +30,9 @@ from kvcmas_agents.engine.outputs import RequestOutput, Usage
 from kvcmas_agents.chat.tools import InvalidToolCall, ToolCall
 from kvcmas_agents.integrations import KVCMASClient, register_team
 from kvcmas_agents.integrations import autogen as autogen_module
-from kvcmas_agents.integrations._autogen_convert import (
-    ToolCallFilter, clean_json, to_create_result, to_engine_messages,
-)
+from kvcmas_agents.integrations._autogen_convert import clean_json, to_create_result, to_engine_messages
 from kvcmas_agents.integrations._autogen_team import current_agent_name
+from kvcmas_agents.integrations._tool_filter import ToolBlockFilter
 
 HELLO = [SystemMessage(content="You are a helpful assistant."),
          UserMessage(content="Say hello in one short sentence.", source="user")]
@@ -138,12 +137,34 @@ async def test_agent_name_precedence(engine):
 
 
 def test_clients_share_one_engine_per_model(engine, monkeypatch):
-    monkeypatch.setitem(registry._engines, "smollm2-135m-instruct", engine)
+    monkeypatch.setattr(registry, "_engines", {"smollm2-135m-instruct": engine})
+    monkeypatch.setattr(registry, "_holders", {})
     a, b = KVCMASClient(), KVCMASClient("SmolLM2-135M-Instruct")
     assert a.engine is b.engine is engine
     other = SimpleNamespace(config=SimpleNamespace(model="elsewhere"))   # an explicit engine wins
     pinned = KVCMASClient(engine=other)
     assert pinned.engine is other and pinned._to_config().model == "elsewhere"
+
+
+async def test_close_releases_the_shared_engine_after_its_last_client(monkeypatch):
+    for name, fresh in (("_engines", {}), ("_holders", {}), ("_kept", set())):
+        monkeypatch.setattr(registry, name, fresh)
+    a, b = KVCMASClient(max_tokens=2), KVCMASClient(max_tokens=2)
+    engine = a.engine
+    assert b.engine is engine and (await b.create(HELLO)).usage.completion_tokens > 0
+    await a.close()
+    assert not engine._closed and (await b.create(HELLO)).usage.completion_tokens > 0
+    await b.close()
+    await b.close()                       # idempotent
+    assert engine._closed and registry._engines == {}
+    with pytest.raises(RuntimeError, match="closed"):
+        await a.create(HELLO)
+
+
+async def test_close_leaves_an_explicit_engine_open(engine):
+    client = KVCMASClient(engine=engine, max_tokens=2)
+    await client.close()
+    assert not engine._closed
 
 
 def test_model_info_and_bad_arguments(client):
@@ -189,6 +210,7 @@ def test_component_round_trip(engine):
 def test_shared_engine_is_created_with_kvcmas_unless_reuse_is_set(engine, monkeypatch):
     created: list[tuple] = []
     monkeypatch.setattr(autogen_module, "get_engine", lambda model, **kw: created.append((model, kw)) or engine)
+    monkeypatch.setattr(autogen_module, "hold_engine", lambda model, **kw: created.append((model, kw)) or engine)
     assert KVCMASClient().engine is engine
     assert KVCMASClient("other-model", reuse="prefix").engine is engine
     register_team(RoundRobinGroupChat([AssistantAgent("a", model_client=KVCMASClient(engine=engine)),
@@ -252,12 +274,14 @@ def test_json_cleaning_is_best_effort():
     assert clean_json('{"town": "Oslo"}', Answer) == '{"town": "Oslo"}'
 
 
-def test_tool_call_filter_hides_call_blocks():
-    hold = ToolCallFilter(enabled=True)
+def test_tool_block_filter_hides_call_blocks():
+    hold = ToolBlockFilter()
     shown = [hold.push(t) for t in ["Let me", " check <", "tool_", "call>{\"name\"", ": 1}</tool_call>"]]
     assert "".join(shown) + hold.flush() == "Let me check "
-    plain = ToolCallFilter(enabled=True)
+    plain = ToolBlockFilter()
     assert plain.push("a <b") == "a <b" and plain.push(" <to") == " " and plain.flush() == "<to"
+    cut = ToolBlockFilter()
+    assert cut.push("x <tool_call>{\"name\": ") == "x " and cut.flush() == ""     # a cut-off block stays hidden
 
 
 # --- tool calls on the real model -----------------------------------------------------------------
@@ -295,6 +319,20 @@ async def test_assistant_agent_structured_output(engine):
     agent = AssistantAgent("geo", model_client=KVCMASClient(engine=engine, max_tokens=48), output_content_type=City)
     result = await agent.run(task="What is the capital of France?")
     assert isinstance(result.messages[-1].content, City) and result.messages[-1].content.name == "Paris"
+
+
+async def test_agents_run_alone_are_accounted_by_their_names(engine):
+    client = KVCMASClient(engine=engine, max_tokens=4, agent="fallback")
+    before = {n: agent_stats(engine, n).get("requests", 0) for n in ("scout", "scribe", "fallback")}
+    await AssistantAgent("scout", model_client=client).run(task="Name a colour.")
+    events = [e async for e in AssistantAgent("scribe", model_client=client, model_client_stream=True,
+                                                  tools=[WEATHER]).run_stream(task="Name a city.")]
+    assert isinstance(events[-1], TaskResult)
+    after = {n: agent_stats(engine, n).get("requests", 0) for n in before}
+    assert after["scout"] - before["scout"] >= 1 and after["scribe"] - before["scribe"] >= 1
+    assert after["fallback"] == before["fallback"]
+    await client.create(HELLO)             # no agent calling: the client's own name
+    assert agent_stats(engine, "fallback")["requests"] == before["fallback"] + 1
 
 
 # --- real teams -----------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.load import dumpd, loads
 from langchain_core.messages import (
     AIMessage, AIMessageChunk, ChatMessage, HumanMessage, SystemMessage, ToolMessage,
 )
@@ -20,8 +21,11 @@ from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
 from kvcmas_agents import ReuseOptions
+from kvcmas_agents.chat.tools import InvalidToolCall
+from kvcmas_agents.engine.outputs import RequestOutput, Usage
 from kvcmas_agents.integrations import langchain as lc_module
-from kvcmas_agents.integrations._lc_messages import ToolBlockFilter, to_engine_messages
+from kvcmas_agents.integrations._lc_messages import ai_message, final_chunk, to_engine_messages
+from kvcmas_agents.integrations._tool_filter import ToolBlockFilter
 from kvcmas_agents.integrations.langchain import ChatKVCMAS
 from kvcmas_agents.registry import get_engine
 
@@ -158,13 +162,15 @@ async def test_sampling_fields_and_per_call_overrides(llm):
     assert a.content == b.content
 
 
-async def test_stop_argument_merges_with_field(engine_prefix):
+async def test_call_stop_replaces_the_field_as_in_chat_openai(engine_prefix):
     base = await ChatKVCMAS(engine=engine_prefix, max_tokens=24).ainvoke("Hello")
     assert "assist" in base.content    # "Hello! How can I assist you today?"
-    llm = ChatKVCMAS(engine=engine_prefix, max_tokens=24, stop=["zzz"])
-    cut = await llm.ainvoke("Hello", stop=["assist"])
+    llm = ChatKVCMAS(engine=engine_prefix, max_tokens=24, stop=["assist"])
+    cut = await llm.ainvoke("Hello")
     assert cut.content == base.content[:base.content.index("assist")]
     assert cut.response_metadata["stop_reason"] == "assist"
+    replaced = await llm.ainvoke("Hello", stop=["zzz"])
+    assert replaced.content == base.content and replaced.response_metadata["stop_reason"] != "assist"
 
 
 async def test_unexpected_call_arguments_and_bad_roles_fail_fast(llm):
@@ -333,3 +339,54 @@ def test_token_counting_uses_the_chat_template(llm):
 async def test_concurrent_calls_from_one_instance(llm):
     outs = await asyncio.gather(*(llm.bind(max_tokens=4).ainvoke(f"Count to {n}.") for n in range(3)))
     assert all(o.usage_metadata["output_tokens"] >= 1 for o in outs)
+
+
+def test_invalid_tool_calls_stay_invalid_once_stream_chunks_merge():
+    cut = InvalidToolCall("call_1", "add", '{"name": "add", "arguments": {"a', "invalid JSON")
+    unknown = InvalidToolCall("call_2", "mul", '{"a": 1}', "unknown tool 'mul'")
+    not_object = InvalidToolCall("call_3", "add", "[1, 2]", "arguments must be a JSON object")
+    out = RequestOutput("r", "a", "", [], "length", 0.0, 0.0, Usage(), invalid_tool_calls=[cut, unknown, not_object])
+    whole = ai_message(out, "m")
+    merged = AIMessageChunk(content="") + final_chunk("", out, "m")
+    assert whole.tool_calls == merged.tool_calls == []
+    assert [c["args"] for c in whole.invalid_tool_calls] == [c["args"] for c in merged.invalid_tool_calls] == [
+        '<tool_call>{"name": "add", "arguments": {"a', '<tool_call>{"name": "mul", "arguments": {"a": 1}}</tool_call>',
+        "[1, 2]"]
+
+
+# --- LangChain conventions ---------------------------------------------------------------------------
+def test_token_ids_come_from_the_models_tokenizer(llm):
+    text = "Tokenizers split words like internationalization."
+    ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
+    assert llm.get_token_ids(text) == ids and llm.get_num_tokens(text) == len(ids) > 0
+    assert ChatKVCMAS(engine=llm.engine, custom_get_token_ids=lambda t: [1, 2]).get_num_tokens(text) == 2
+
+
+def test_constructor_arguments_map_warn_or_raise():
+    llm = ChatKVCMAS(model_name="smollm2-135m-instruct", num_predict=5, stop_sequences=["x"])
+    assert (llm.model, llm.max_tokens, llm.stop) == ("smollm2-135m-instruct", 5, ["x"])
+    assert ChatKVCMAS(max_completion_tokens=7).max_tokens == 7
+    with pytest.warns(UserWarning, match=r"\['max_retries', 'timeout'\] has no effect"):
+        assert ChatKVCMAS(timeout=3, max_retries=2).max_tokens == 256
+    with pytest.raises(ValueError, match=r"unexpected arguments \['frequency_penalty'\]"):
+        ChatKVCMAS(frequency_penalty=0.5)
+    with pytest.raises(ValueError, match="alias 'num_predict'"):
+        ChatKVCMAS(max_tokens=4, num_predict=5)
+
+
+def test_dumpd_and_loads_round_trip(llm):
+    original = ChatKVCMAS(engine=llm.engine, max_tokens=9, stop=["\n"], agent="writer", reuse="prefix", seed=3)
+    data = dumpd(original)
+    assert data["id"] == ["kvcmas_agents", "integrations", "langchain", "ChatKVCMAS"] and "engine" not in data["kwargs"]
+    loaded = loads(json.dumps(data), valid_namespaces=["kvcmas_agents"], allowed_objects=[ChatKVCMAS])
+    assert isinstance(loaded, ChatKVCMAS) and loaded.engine is None
+    assert loaded.model_dump(exclude={"engine"}) == original.model_dump(exclude={"engine"})
+
+
+def test_cache_read_is_the_kv_kept_as_is():
+    usage = Usage(prompt_tokens=100, completion_tokens=1, cached_tokens=10, reused_tokens=60, recomputed_tokens=15,
+                  kept_tokens=55)
+    message = ai_message(RequestOutput("r", "a", "", [], "stop", 0.0, 0.0, usage, reuse="kvcmas"), "m")
+    assert message.usage_metadata["input_token_details"]["cache_read"] == 55
+    meta = message.response_metadata
+    assert (meta["cached_tokens"], meta["reused_tokens"], meta["recomputed_tokens"]) == (10, 60, 15)

@@ -10,6 +10,9 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from kvcmas_agents.integrations.langchain import ChatKVCMAS
 
+# The suites pass remote-client settings (timeout, max_retries, api_key), which ChatKVCMAS warns it ignores.
+pytestmark = pytest.mark.filterwarnings("ignore:ChatKVCMAS runs the model in this process")
+
 # Small enough to keep the suite fast on 2 CPU cores, large enough for one short tool call.
 PARAMS: dict[str, Any] = {"max_tokens": 32, "agent": "standard-tests"}
 
@@ -41,6 +44,13 @@ class TestChatKVCMASUnit(ChatModelUnitTests):
     @property
     def chat_model_params(self) -> dict[str, Any]:
         return {"agent": "standard-tests"}
+
+    @pytest.mark.xfail(
+        reason="the test loads with allowed_objects='all', which langchain-core 1.8 limits to classes in its "
+               "own mapping; test_langchain.py::test_dumpd_and_loads_round_trip allows ChatKVCMAS by name",
+        strict=True, raises=ValueError)
+    def test_serdes(self, model: Any, snapshot: Any) -> None:
+        super().test_serdes(model, snapshot)
 
 
 class TestChatKVCMASIntegration(ChatModelIntegrationTests):

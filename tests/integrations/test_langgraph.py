@@ -227,9 +227,27 @@ async def test_default_chat_models_create_a_kvcmas_engine_and_later_agents_reuse
             assert meta["reuse"] == "kvcmas"
             assert agents[name]["reused_tokens"] == meta["reused_tokens"] > 0, name
             assert 0 < meta["recomputed_tokens"] <= meta["reused_tokens"]
-            assert usage["input_token_details"]["cache_read"] == meta["cached_tokens"] + meta["reused_tokens"]
+            assert usage["input_token_details"]["cache_read"] == (
+                meta["cached_tokens"] + meta["reused_tokens"] - meta["recomputed_tokens"])
         # The reviewer also reuses the planner's reply, as the coder's request prefilled it.
         assert agents["reviewer"]["reused_tokens"] > agents["coder"]["reused_tokens"]
+    finally:
+        engine.close()
+
+
+async def test_an_unregistered_graph_is_learned_from_its_first_turn():
+    """Nobody registers the pipeline: the engine learns who hands off to whom (and each agent's system
+    prompt) on the first turn, and corrects the coder's and reviewer's history ahead of time from the second."""
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    try:
+        compiled = pipeline(ChatKVCMAS(engine=engine, max_tokens=8)).compile()
+        await compiled.ainvoke({"messages": [HumanMessage("Write a function that adds two numbers.")]})
+        stats = engine.stats()
+        assert stats["edges"] == [] and stats["learned_edges"] == [("planner", "coder"), ("coder", "reviewer")]
+        assert stats["reuse"]["kvcmas"]["prefetch"]["corrections"] == 0     # nothing known ahead yet
+        await compiled.ainvoke({"messages": [HumanMessage("Write a function that subtracts two numbers.")]})
+        by_agent = engine.stats()["reuse"]["kvcmas"]["prefetch"]["by_agent"]
+        assert by_agent.get("coder", 0) > 0 and by_agent.get("reviewer", 0) > 0, by_agent
     finally:
         engine.close()
 

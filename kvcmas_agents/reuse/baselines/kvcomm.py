@@ -56,6 +56,7 @@ def placeholder(req: ReuseRequest, piece: ReusePiece) -> int:
 class KVComm(PrivateCopyMethod):
     name = "kvcomm"
     config_class = KVCommConfig
+    recomputes_reused = False      # a missed segment counts as recomputed, not as reused
 
     def __init__(self, ctx: ReuseContext, settings: KVCommConfig | None = None):
         super().__init__(ctx, settings or KVCommConfig())

@@ -73,6 +73,8 @@ async def test_cacheblend_pipeline(engine):
         assert out.reuse == "cacheblend" and out.usage.reused_tokens > 0
         # CacheBlend's default: the top 15% of reused tokens by layer-1 KV deviation.
         assert out.usage.recomputed_tokens == round(0.15 * out.usage.reused_tokens)
+        u = out.usage     # the recomputed tokens are among the reused ones; their stored KV was not kept
+        assert u.kept_tokens == u.cached_tokens + u.reused_tokens - u.recomputed_tokens
         assert math.isfinite(kl(ref.logits[0], out.logits[0]))
     stats = await settle(engine)
     # Nothing persists: no corrections or anchors; KV is back to the home views (+ cached blocks).
@@ -125,6 +127,7 @@ async def test_kvcomm_anchors(engine):
     first = await run(engine, "coder", msgs, "kvcomm")
     # First encounter of (coder, message 1): dense prefill, which becomes an anchor.
     assert first.usage.recomputed_tokens == task_len and first.usage.reused_tokens == 0
+    assert first.usage.kept_tokens == first.usage.cached_tokens      # the dense prefill is not among reused
     stats = engine.stats()
     kvcomm = stats["reuse"]["kvcomm"]
     assert kvcomm["anchors"] == 1 and kvcomm["misses"] == 1 and kvcomm["anchor_bytes"] > 0
