@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ..chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, normalize_tools
+from ..chat.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, check_tool_choice, normalize_tools
 from ..errors import InvalidRequestError
 from ..model.grammar import GrammarSpec
 
@@ -54,11 +54,9 @@ def _tool_call_spec(tools: Any, tool_choice: Any) -> GrammarSpec | None:
     forced = forced_tool(tool_choice)
     if forced is None:
         return None
-    specs = {t["function"]["name"]: t["function"] for t in normalize_tools(tools)}
-    if not specs:
-        raise InvalidRequestError(f"tool_choice {tool_choice!r} forces a tool call but no tools were given")
-    if forced != "required" and forced not in specs:
-        raise InvalidRequestError(f"tool_choice names tool {forced!r}, which is not in tools: {sorted(specs)}")
+    normalized = normalize_tools(tools)
+    check_tool_choice(tool_choice, normalized)          # the chat layer's check: a forced tool must be given
+    specs = {t["function"]["name"]: t["function"] for t in normalized}
     names = list(specs) if forced == "required" else [forced]
     defs: dict[str, Any] = {}
     calls = [_call_schema(name, specs[name]["parameters"], defs) for name in names]
