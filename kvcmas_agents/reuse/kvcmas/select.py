@@ -38,7 +38,7 @@ def select_rows(method: CrossAgentMethod, req: ReuseRequest, pending: list[Reuse
     the tail (``forced_rows``). The pass is a forward of its queries over the whole view, and a query
     costs about what a recomputed row costs; so when it would spare no more rows than it has queries
     (a short new segment corrected ahead of time at a high ratio), every row is recomputed instead:
-    cheaper, and exact where the ratio would have approximated."""
+    cheaper, and every row recomputed rather than a share of them."""
     total = sum(p.end - p.start for p in pending)
     whole = newest_pieces(req, pending) if newest_whole and req.options.recompute_ratio > 0 else set()
     forced_of = [forced_rows(req, p, id(p) in whole) for p in pending]
