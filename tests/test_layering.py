@@ -1,6 +1,6 @@
 """The package's import graph: no cycles, and every import runs down the layers
 
-    integrations -> engine -> reuse -> model / cache / chat -> errors, timing;  kernels import nothing
+    integrations, serve -> engine -> reuse -> model / cache / chat -> errors, timing;  kernels import nothing
 
 (apps on top: bench, fidelity, demos, cli). Inside reuse, storage is at the bottom, views read it,
 and KVCMAS and the baselines never import each other. Engine code dispatches on no reuse-mode name.
@@ -30,6 +30,7 @@ ALLOWED = {
     "engine": BASE | {"kernels", "model", "cache", "chat", "reuse"},
     "registry": BASE | {"model", "engine"},
     "integrations": BASE | {"model", "chat", "engine", "registry"},
+    "serve": BASE | {"model", "chat", "engine", "registry"},
 }
 APPS = {"bench", "fidelity", "demos", "cli", ""}          # "": the package's __init__
 # Inside reuse: (importer prefix, forbidden prefix).
