@@ -10,6 +10,7 @@ Per request of agent X (docs/method.md):
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +29,14 @@ MAX_FRAME = 16          # tokens of role header and trailer around a decoded rep
 
 class CrossAgentMethod(ReuseMethod):
     cross_agent = True
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.kept_views: dict[int, GatheredView] = {}      # by id(request): views kept for their decode
+
+    def state_bytes(self) -> int:
+        """What running requests' kept views hold besides their KV (unpacked correction codes)."""
+        return sum(v.kept_bytes() for v in self.kept_views.values())
 
     # --- planning (at admission) ---------------------------------------------------------------
     def plan(self, req: ReuseRequest) -> None:
@@ -97,6 +106,7 @@ class CrossAgentMethod(ReuseMethod):
                 self.ctx.segments.unpin(p.home)
         req.pieces = []
         req.view_base = None
+        self.kept_views.pop(id(req), None)
 
     # --- preparing: new text between reused spans ------------------------------------------------
     def pending(self, req: ReuseRequest) -> bool:
@@ -179,8 +189,10 @@ class CrossAgentMethod(ReuseMethod):
             return build_gathered(self.pieces_for(req, end), ctx.realigner, ctx.device, ctx.store.k.dtype)
         key = (b, req.own_prefix_end, tuple((p.start, p.end, len(p.chain), p.pending, p.private) for p in req.pieces))
         if req.view_base is None or req.view_base[0] != key:
-            req.view_base = (key, build_gathered(self.pieces_for(req, b), ctx.realigner, ctx.device,
-                                                 ctx.store.k.dtype))
+            view = replace(build_gathered(self.pieces_for(req, b), ctx.realigner, ctx.device, ctx.store.k.dtype),
+                           keep=True)
+            req.view_base = (key, view)
+            self.kept_views[id(req)] = view
         return req.view_base[1].extend(ctx.store.slots(req.blocks, b, end))
 
     def own_piece(self, req: ReuseRequest, start: int, end: int) -> OwnPiece:

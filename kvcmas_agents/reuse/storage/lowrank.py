@@ -290,6 +290,12 @@ class Coeffs:
         return None if codes is None else features(codes, first.tail, first.head)
 
     @staticmethod
+    def integral(us: list["Coeffs"], layer: int) -> bool:
+        """Whether ``joined(us, layer)`` holds small integers that int8 keeps exactly (plain int8 codes:
+        6-bit, 4-bit or int8 components, the scale living in the basis)."""
+        return us[0].u.dtype == torch.int8 and Coeffs._plain_codes(us, layer) is not None
+
+    @staticmethod
     def _plain_codes(us: list["Coeffs"], layer: int) -> torch.Tensor | None:
         """Plain factors' stored ``layer`` side by side [KVH, sum R_i, w], as stored (not unpacked), if
         every one is plain, laid out alike (tail, head, dtype) and stores ``layer``; else None."""

@@ -10,7 +10,7 @@ output. ``view_attention`` is the same math, unbatched; tests check they all agr
 from __future__ import annotations
 
 from bisect import bisect_right
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -39,9 +39,33 @@ class Stack:
         """How many (leading) groups store ``layer``."""
         return bisect_right(self.firsts, layer)
 
+    # (side, groups, layer) -> the leading groups' U of that side (0 keys, 2 values), unpacked
+    unpacked: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+
     def spans(self, groups: int) -> list[tuple[int, int]]:
         """Where each of the leading ``groups`` groups' rows lie in ``rows``."""
         return list(zip([0] + self.ends[:groups - 1], self.ends[:groups]))
+
+    def coefficients(self, side: int, groups: int, layer: int, dtype: torch.dtype,
+                     keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The leading ``groups`` groups' U of one side for the low-rank terms (``_coefficients``). With
+        ``keep``, U is unpacked once per layer and kept, so each later decode step over the same view
+        reads it instead of unpacking packed codes or dequantizing rows again (a third of a decode step
+        on CPU): plain int8 codes as int8 (exact, they are small integers), other rows in ``dtype``. The
+        kept bytes count as the request's state."""
+        us = [u for g in self.groups[:groups] for u in g[side]]
+        if not keep:
+            return _coefficients(us, layer, dtype)
+        key = (side, groups, layer)
+        kept = self.unpacked.get(key)
+        if kept is None:
+            u = Coeffs.joined(us, layer, dtype)
+            self.unpacked[key] = u.to(torch.int8) if Coeffs.integral(us, layer) else u
+            return u, None
+        return kept.to(dtype), None
+
+    def kept_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.unpacked.values())
 
 
 @dataclass
@@ -62,6 +86,13 @@ class GatheredView:
     key_class: torch.Tensor
     q_cos: torch.Tensor
     q_sin: torch.Tensor
+    # Keep unpacked codes for later steps (``Stack.coefficients``): set on a request's view kept for its
+    # decode; views built for one call leave it off.
+    keep: bool = False
+
+    def kept_bytes(self) -> int:
+        """Bytes of unpacked codes this view keeps (``keep``)."""
+        return sum(st.kept_bytes() for st in self.stacks)
 
     def extend(self, slots: torch.Tensor) -> "GatheredView":
         """The same view followed by plain own keys (a request's tail as it grows)."""
@@ -211,17 +242,17 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
         if not active:
             continue
         rows, spans, gs = st.rows[:st.ends[active - 1]], st.spans(active), st.groups[:active]
-        uk = _coefficients([u for g in gs for u in g[0]], layer, q.dtype)
+        uk = st.coefficients(0, active, layer, q.dtype, view.keep)
         scores.index_add_(-1, rows, _lowrank_scores(qg, [g[1] for g in gs], uk, spans, layer))
-        parts.append((rows, spans, gs))
+        parts.append((st, active, rows, spans, gs))
     scores = (scores * scale).view(kvh, g, n, ctx)
     if n > 1:
         visible = torch.arange(ctx, device=q.device) <= torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
         scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kvh, g * n, ctx)
     out = probs @ v.transpose(0, 1)                                     # [KVH, G*n, D]
-    for rows, spans, gs in parts:
-        uv = _coefficients([u for g in gs for u in g[2]], layer, q.dtype)
+    for st, active, rows, spans, gs in parts:
+        uv = st.coefficients(2, active, layer, q.dtype, view.keep)
         out += _lowrank_values(probs.index_select(-1, rows), uv, [g[3] for g in gs], spans, layer)
     return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 

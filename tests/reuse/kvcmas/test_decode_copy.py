@@ -73,3 +73,26 @@ async def test_a_correcting_request_says_where_its_ttft_went():
         plain = await eng.generate(prompt("coder", [{"role": "user", "content": TASK}]), agent="c",
                                    sampling=SamplingParams(max_tokens=1), reuse_options=ReuseOptions(reuse="prefix"))
     assert "forward" in plain.timings and "correct" not in plain.timings
+
+
+async def test_a_read_through_decode_keeps_its_unpacked_codes_as_state_only_while_it_runs():
+    """Decoding over the view (no copy) keeps the corrections' unpacked codes on the request's view: they
+    are counted in the engine's state bytes while it decodes, and dropped when it ends."""
+    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    try:
+        history = [{"role": "user", "content": TASK}]
+        first = await eng.generate(prompt("planner", history), agent="planner", sampling=SamplingParams(max_tokens=32))
+        history.append({"role": "user", "content": f"[planner] {first.text}"})
+        during, seen = None, 0
+        async for delta in eng.stream(prompt("coder", history), agent="coder", sampling=DECODE):
+            seen += len(delta.token_ids)
+            if during is None and seen >= 4 and delta.output is None:      # a few decode steps in
+                during = eng.stats()
+        after = eng.stats()
+    finally:
+        await eng.aclose()
+    kept = during["reuse"]["kvcmas"]["kept_code_bytes"]
+    assert kept > 0 and delta.output.usage.reused_tokens > 0
+    assert during["memory"]["state_bytes"] == during["reuse"]["kvcmas"]["correction_bytes"] + kept
+    assert after["reuse"]["kvcmas"]["kept_code_bytes"] == 0
+    assert after["memory"]["state_bytes"] == after["reuse"]["kvcmas"]["correction_bytes"]
