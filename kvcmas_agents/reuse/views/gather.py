@@ -23,6 +23,10 @@ from .reference import SegmentPiece
 
 Group = tuple[list[Coeffs], Basis, list[Coeffs], Basis]      # (U_k's, B_k, U_v's, B_v) sharing one basis
 
+# Whether views kept for a decode keep their unpacked codes (``Stack.coefficients``); off only to measure
+# what keeping them buys (benchmarks/decode_rate.py).
+KEEP_CODES = True
+
 
 @dataclass
 class Stack:
@@ -54,7 +58,7 @@ class Stack:
         on CPU): plain int8 codes as int8 (exact, they are small integers), other rows in ``dtype``. The
         kept bytes count as the request's state."""
         us = [u for g in self.groups[:groups] for u in g[side]]
-        if not keep:
+        if not (keep and KEEP_CODES):
             return _coefficients(us, layer, dtype)
         key = (side, groups, layer)
         kept = self.unpacked.get(key)

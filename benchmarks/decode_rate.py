@@ -1,0 +1,94 @@
+"""Decode rate of a later agent over a shared history: prefix against kvcmas's ways of decoding.
+
+A lead agent computes the turn_time benchmark's shared history (about 1,600 tokens); a second agent,
+with its own system prompt, reads it with a hand-off and takes its first token (its correction is
+computed then, nothing ahead of time). Then, per round, each variant decodes that agent's reply again
+(``ignore_eos``), rounds interleaved in one process so the ratios are side by side:
+
+- ``prefix``: its own exact KV (the history prefilled under its own prefix);
+- ``kvcmas``: reading the corrected view, its correction codes unpacked once and kept for the decode;
+- ``kvcmas-unkept``: the same, unpacking the codes in every step (``views.gather.KEEP_CODES`` off);
+- ``kvcmas-copy``: the view written into the request's own blocks first (``decode_copy="auto"``).
+
+Prints JSON: per variant, tok/s after the first token (per round and median), its median per-round
+ratio to prefix, and what the decode held besides the KV it shares (kept codes, or the copy's blocks).
+
+    python -m benchmarks.decode_rate [--rounds 5] [--tokens 64]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+
+from benchmarks.turn_time import LATER, LEAD, prompt
+from kvcmas_agents import KVCMASConfig
+from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
+from kvcmas_agents.reuse.views import gather
+
+VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-unkept": ("kvcmas", {}),
+            "kvcmas-copy": ("kvcmas", {"decode_copy": "auto"})}
+
+
+async def _engine(mode: str, knobs: dict) -> Engine:
+    engine = Engine(EngineConfig(reuse=mode, kvcmas=KVCMASConfig(prefetch="off", **knobs)))
+    agent, handoff = next(iter(LATER.items()))
+    one = SamplingParams(max_tokens=1)
+    await engine.generate(prompt(LEAD, "planner: summarize the plan in one sentence."), agent=LEAD, sampling=one)
+    await engine.generate(prompt(agent, handoff), agent=agent, sampling=one)
+    return engine
+
+
+async def _decode(engine: Engine, tokens: int) -> tuple[float, int, dict]:
+    """One decode of the later agent: (tok/s after the first token, reused tokens, stats mid-decode)."""
+    agent, handoff = next(iter(LATER.items()))
+    seen, mid = 0, {}
+    async for delta in engine.stream(prompt(agent, handoff), agent=agent,
+                                     sampling=SamplingParams(max_tokens=tokens, ignore_eos=True)):
+        seen += len(delta.token_ids)
+        if not mid and seen >= tokens // 2:
+            mid = engine.stats()
+        out = delta.output
+    return (out.usage.completion_tokens - 1) / (out.latency_s - out.ttft_s), out.usage.reused_tokens, mid
+
+
+async def run(rounds: int, tokens: int, variants: dict[str, tuple[str, dict]] = VARIANTS) -> dict:
+    engines = {name: await _engine(mode, knobs) for name, (mode, knobs) in variants.items()}
+    rates: dict[str, list[float]] = {name: [] for name in variants}
+    held: dict[str, int] = {}
+    reused: dict[str, int] = {}
+    try:
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                gather.KEEP_CODES = name != "kvcmas-unkept"
+                try:
+                    rate, reused[name], mid = await _decode(engine, tokens)
+                finally:
+                    gather.KEEP_CODES = True
+                rates[name].append(rate)
+                kv = mid.get("reuse", {}).get("kvcmas", {})
+                held[name] = kv.get("kept_code_bytes", 0) + kv.get("decode_copy_blocks", 0) // max(
+                    kv.get("decode_copies", 1), 1) * mid["memory"]["block_bytes"]
+    finally:
+        for engine in engines.values():
+            await engine.aclose()
+    out: dict = {"rounds": rounds, "tokens": tokens, "variants": {}}
+    for name, rs in rates.items():
+        ratios = [r / p for r, p in zip(rs, rates["prefix"])]
+        out["variants"][name] = {"tok_s": rs, "tok_s_median": statistics.median(rs),
+                                 "vs_prefix_median": statistics.median(ratios), "reused_tokens": reused[name],
+                                 "held_bytes_while_decoding": held[name]}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=64)
+    args = p.parse_args()
+    print(json.dumps(asyncio.run(run(args.rounds, args.tokens)), indent=1))
+
+
+if __name__ == "__main__":
+    main()
