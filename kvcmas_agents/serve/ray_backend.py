@@ -93,7 +93,11 @@ class RayBackend:
         self.router = AffinityRouter(cfg.replicas, cfg.router)
         self.errors: dict[int, str] = {}       # why each dead replica was marked dead
         self._actors = [self._spawn(i) for i in range(cfg.replicas)]
-        self.replica_info = ray.get([a.info.remote() for a in self._actors], timeout=cfg.ready_timeout_s)
+        try:
+            self.replica_info = ray.get([a.info.remote() for a in self._actors], timeout=cfg.ready_timeout_s)
+        except (*_REPLICA_DOWN, rex.GetTimeoutError) as exc:     # e.g. a bad model, or no GPU free
+            self._kill_all()
+            raise ReplicaUnavailableError(f"engine replicas failed to start: {exc}") from exc
         self.model_name = self.replica_info[0]["model_name"]
         self.max_context = self.replica_info[0]["max_context"]
         self._closed = False
@@ -198,6 +202,9 @@ class RayBackend:
         if self._closed:
             return
         self._closed = True
+        self._kill_all()
+
+    def _kill_all(self) -> None:
         for actor in self._actors:
             ray.kill(actor)
         if self._owns_ray:

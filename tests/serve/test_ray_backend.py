@@ -116,6 +116,13 @@ async def test_closing_a_stream_aborts_the_request_on_its_replica_and_frees_its_
     assert backend.router.replicas[replica].in_flight == 0
 
 
+def test_replicas_that_cannot_start_fail_the_backend_clearly(backend):
+    with pytest.raises(ReplicaUnavailableError, match="failed to start"):
+        RayBackend(RayBackendConfig(replicas=1, engine=EngineConfig(model=str(ROOT / "no-such-model")),
+                                    cpus_per_replica=0, ready_timeout_s=120))   # 0 CPUs: schedulable beside the 2 replicas
+    assert ray.is_initialized()                # the cluster it did not start is left running
+
+
 async def test_a_killed_replica_fails_its_request_cleanly_and_its_session_moves(backend):
     await workflow(backend, "wf-k", turns=1, max_tokens=2)
     dead = backend.replica_of("wf-k")
@@ -134,3 +141,4 @@ async def test_a_killed_replica_fails_its_request_cleanly_and_its_session_moves(
     assert stats["alive"] == 1 and stats["replicas"][dead]["alive"] is False
     assert "wf-k-planner" in stats["replicas"][1 - dead]["agents"]
     assert all(backend.replica_of(s) != dead for s in ("wf-a", "wf-b", "wf-c") if backend.replica_of(s) is not None)
+
