@@ -142,3 +142,23 @@ async def test_a_killed_replica_fails_its_request_cleanly_and_its_session_moves(
     assert "wf-k-planner" in stats["replicas"][1 - dead]["agents"]
     assert all(backend.replica_of(s) != dead for s in ("wf-a", "wf-b", "wf-c") if backend.replica_of(s) is not None)
 
+
+
+async def test_a_replica_found_dead_before_the_first_delta_is_skipped_and_the_request_answered(backend):
+    """A replica that died while idle: the next request to it is re-routed, not failed (nothing was
+    streamed yet). With no replica left, requests fail at once with the clear error."""
+    engine = EngineConfig(reuse="kvcmas", kv_budget_bytes=128 * 1024**2)
+    fresh = RayBackend(RayBackendConfig(replicas=2, engine=engine, cpus_per_replica=0))   # beside the module's
+    try:
+        await workflow(fresh, "wf-r", turns=1, max_tokens=2)
+        dead = fresh.replica_of("wf-r")
+        ray.kill(fresh.actor(dead))
+        outs = await workflow(fresh, "wf-r", turns=2, max_tokens=3)
+        assert len(outs) == 2 and fresh.replica_of("wf-r") == 1 - dead
+        assert fresh.router.live == [1 - dead] and "ActorDiedError" in fresh.errors[dead]
+        ray.kill(fresh.actor(1 - dead))
+        with pytest.raises(ReplicaUnavailableError, match="no engine replica is alive"):
+            await workflow(fresh, "wf-r", turns=1, max_tokens=2)
+        assert (await fresh.stats())["alive"] == 0
+    finally:
+        await fresh.aclose()
