@@ -1,6 +1,7 @@
 """OpenAI-format errors: ``{"error": {"message", "type", "param", "code"}}`` with the matching status."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -9,6 +10,8 @@ from ..errors import ContextLengthError, EngineClosedError, EngineError, Invalid
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+_PARAMS = ("messages", "tools", "tool_choice", "response_format", "max_tokens", "temperature", "top_p", "top_k",
+           "seed", "stop")
 
 
 @dataclass
@@ -37,8 +40,9 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(400, str(exc), "messages", "context_length_exceeded")
     if isinstance(exc, InvalidRequestError):
         message = str(exc)
-        param = next((p for p in ("messages", "tools", "tool_choice", "response_format") if message.startswith(p)),
-                     None)
+        # The engine's messages name the parameter at fault first (e.g. "messages[2] has unknown role").
+        found = [(m.start(), p) for p in _PARAMS if (m := re.search(rf"\b{p}\b", message))]
+        param = min(found)[1] if found else None
         return APIError(400, message, param, "invalid_request")
     if isinstance(exc, EngineClosedError):
         return APIError(503, f"the engine is shutting down: {exc}", None, "engine_closed")
