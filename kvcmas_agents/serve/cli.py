@@ -32,6 +32,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graceful-shutdown-s", type=float, default=30.0,
                         help="how long shutdown waits for requests in flight (default 30)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="engine replicas on Ray behind this endpoint, with workflow affinity (default 1: "
+                             "one engine in this process; docs/scale_out.md)")
+    parser.add_argument("--ray-address", default=None,
+                        help="Ray cluster to place the replicas on ('auto', host:6379, ray://host:10001); "
+                             "default with --replicas > 1: start a local Ray")
+    parser.add_argument("--cpus-per-replica", type=float, default=1.0,
+                        help="Ray CPUs (and engine threads) each CPU replica takes (default 1)")
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -44,10 +52,23 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def build_backend(args: argparse.Namespace) -> Backend:
-    """The backend the options ask for: one engine in this process."""
-    engine = Engine(EngineConfig(model=args.model, device=args.device, reuse=args.reuse,
-                                 kv_budget_bytes=args.kv_budget_mib * MIB, max_num_seqs=args.max_num_seqs))
-    return LocalBackend(engine)
+    """The backend the options ask for: one engine in this process, or, with ``--replicas`` > 1 or a
+    ``--ray-address``, engine replicas on Ray (the ``ray`` extra)."""
+    config = EngineConfig(model=args.model, device=args.device, reuse=args.reuse,
+                          kv_budget_bytes=args.kv_budget_mib * MIB, max_num_seqs=args.max_num_seqs)
+    replicas = getattr(args, "replicas", 1)
+    address = getattr(args, "ray_address", None)
+    if replicas < 1:
+        raise SystemExit(f"kvcmas serve: --replicas must be >= 1, got {replicas}")
+    if replicas == 1 and address is None:
+        return LocalBackend(Engine(config))
+    try:
+        from .ray_backend import RayBackend, RayBackendConfig
+    except ImportError as exc:
+        raise SystemExit(f"kvcmas serve: --replicas/--ray-address need Ray: pip install 'kvcmas-agents[ray]' "
+                         f"({exc})") from exc
+    return RayBackend(RayBackendConfig(replicas=replicas, engine=config, address=address,
+                                       cpus_per_replica=getattr(args, "cpus_per_replica", 1.0)))
 
 
 def run(args: argparse.Namespace) -> int:

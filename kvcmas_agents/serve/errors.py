@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
-from ..errors import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError
+from ..errors import ContextLengthError, EngineClosedError, EngineError, InvalidRequestError, ReplicaUnavailableError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
@@ -44,6 +44,8 @@ def from_exception(exc: BaseException) -> APIError:
         found = [(m.start(), p) for p in _PARAMS if (m := re.search(rf"\b{p}\b", message))]
         param = min(found)[1] if found else None
         return APIError(400, message, param, "invalid_request")
+    if isinstance(exc, ReplicaUnavailableError):      # a replica died; a retry goes to a live one
+        return APIError(503, f"engine replica unavailable: {exc}", None, "replica_unavailable")
     if isinstance(exc, EngineClosedError):
         return APIError(503, f"the engine is shutting down: {exc}", None, "engine_closed")
     if isinstance(exc, EngineError):
