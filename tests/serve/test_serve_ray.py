@@ -2,6 +2,7 @@
 (2 CPU replicas of the default model), workflows routed by the X-KVCMAS-Session header."""
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -82,12 +83,24 @@ def test_sessions_stick_to_replicas_through_http_and_share_kv_there(gateway):
     assert "kvcmas_engine_requests_total 6" in metrics                         # summed over replicas
 
 
-def test_a_dead_replicas_session_is_answered_by_the_live_one(gateway):
+def test_a_replica_killed_mid_stream_ends_it_with_a_503_event_and_its_session_moves(gateway):
     backend, client = gateway
     dead = backend.replica_of("http-a")
-    ray.kill(backend.actor(dead))
+    body = {"model": "any", "stream": True, "max_tokens": 400,
+            "messages": [{"role": "system", "content": "You are the coder."}, {"role": "user", "content": TASK}]}
+    headers = {SESSION_HEADER: "http-a", AGENT_HEADER: "http-a-long"}
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert '"choices"' in first
+        ray.kill(backend.actor(dead))
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["code"] == "replica_unavailable" and f"replica {dead}" in error["message"]
     history = [{"role": "user", "content": TASK}]
-    turn(client, "http-a", "planner", history)
+    turn(client, "http-a", "planner", history)                    # the session's next request
     assert backend.replica_of("http-a") == 1 - dead
     assert client.get("/v1/kvcmas/stats").json()["alive"] == 1
 
