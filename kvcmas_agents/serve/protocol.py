@@ -86,6 +86,9 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
     user = body.get("user")
     if not isinstance(metadata, dict) or (user is not None and not isinstance(user, str)):
         raise APIError(400, "metadata must be an object and user a string", "metadata", "invalid_value")
+    ignore_eos = body.get("ignore_eos", False)          # extension, as vLLM's
+    if not isinstance(ignore_eos, bool):
+        raise APIError(400, "ignore_eos must be a boolean", "ignore_eos", "invalid_value")
     sampling = SamplingParams(
         max_tokens=max_tokens or default_max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -94,6 +97,7 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
         seed=_int(body, "seed", -2**63),
         stop=stop or [],
         response_format=response_format,
+        ignore_eos=ignore_eos,
     )
     model = body.get("model")
     return ChatRequest(model=model if isinstance(model, str) else "", messages=messages, sampling=sampling,

@@ -109,3 +109,21 @@ def test_bad_params_are_400_in_openai_format(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="m", messages=ASK, temperature=7)
     assert info.value.body["param"] == "temperature"
+
+
+async def test_concurrent_requests_batch_in_the_engine(gateway):
+    """Three requests at once share engine steps: fewer steps than tokens generated."""
+    import asyncio
+
+    aclient = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0)
+    before = gateway.stats()["counters"]
+    topics = ("rivers", "mountains", "deserts")
+    replies = await asyncio.gather(*(aclient.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": f"One sentence about {t}."}], max_tokens=6,
+        temperature=0, extra_body={"ignore_eos": True}) for t in topics))
+    await aclient.close()
+    after = gateway.stats()["counters"]
+    generated = sum(r.usage.completion_tokens for r in replies)
+    assert generated == after["completion_tokens"] - before["completion_tokens"] >= 9
+    assert after["steps"] - before["steps"] < generated
+    assert after["max_batch_seqs"] >= 2
