@@ -1,6 +1,7 @@
 """RayBackend on a local Ray cluster with 2 CPU replicas of the default model (real engines, no mocks).
 
-One cluster and one backend for the module; the replica-killing test runs last.
+One cluster and one backend for the module; the test that kills one of its replicas runs after the
+others that use it (the last test brings up its own pair).
 """
 from __future__ import annotations
 
