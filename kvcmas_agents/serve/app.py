@@ -20,7 +20,7 @@ from .errors import APIError, from_exception
 from .metrics import CONTENT_TYPE, Metrics
 from .naming import AGENT_HEADER, SESSION_HEADER, agent_name, session_key
 from .protocol import completion_json, new_completion_id, parse_chat_request
-from .streaming import ClientGone, SSEResponse, sse_chunks, until_disconnect
+from .streaming import ClientGone, SSEResponse, aclose, sse_chunks, until_disconnect
 
 
 def _outcome(status: int) -> str:
@@ -161,12 +161,13 @@ def create_app(backend: Backend, config: ServeConfig | None = None, *, close_bac
         # The first delta comes after validation and prefill: errors up to here get a proper status.
         try:
             first = await until_disconnect(request, anext(stream), config.disconnect_poll_s)
+            if not req.stream:
+                output = first.output or await until_disconnect(request, _rest(stream), config.disconnect_poll_s)
         except BaseException:
-            await stream.aclose()
+            await aclose(stream)
             raise
         if not req.stream:
-            output = first.output or await until_disconnect(request, _rest(stream), config.disconnect_poll_s)
-            await stream.aclose()
+            await aclose(stream)
             metrics.finished(output)
             metrics.outcome("ok")
             return JSONResponse(completion_json(cid, model_name, output), headers=headers)

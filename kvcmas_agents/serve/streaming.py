@@ -24,6 +24,13 @@ T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 
 
+async def aclose(stream: AsyncIterator) -> None:
+    """Close a backend stream (which aborts its request if it has not finished); a no-op once finished."""
+    close = getattr(stream, "aclose", None)
+    if close is not None:
+        await close()
+
+
 class ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
@@ -116,4 +123,4 @@ async def sse_chunks(first: StreamDelta, rest: AsyncIterator[StreamDelta], *, ci
         yield _event(err.body())
         yield DONE
     finally:
-        await rest.aclose()
+        await aclose(rest)

@@ -73,6 +73,12 @@ def test_forced_tool_choice_gives_a_well_formed_call(client):
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
     assert isinstance(json.loads(call.function.arguments).get("city"), str)
+    # The call and its result go back as OpenAI messages; the model answers in text.
+    history = [{"role": "user", "content": "What is the weather in Paris?"}, choice.message.model_dump(),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "clear"}'}]
+    r = client.chat.completions.create(model="m", messages=history, tools=[WEATHER, CLOCK], tool_choice="none",
+                                       max_tokens=8, temperature=0)
+    assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
 def test_streamed_tool_call_deltas(client):

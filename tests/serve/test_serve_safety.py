@@ -137,7 +137,10 @@ def test_metrics_parse_and_count_requests(gateway):
         'kvcmas_http_requests_total{endpoint="chat",outcome="client_error"}'
     with gateway.client() as c:
         first = parse_prometheus(c.get("/metrics").text)
-        assert c.post(CHAT, json=hello()).status_code == 200
+        r = c.post(CHAT, json=hello(user="metrics-probe"), headers={"X-KVCMAS-Session": "s-1"})
+        assert r.status_code == 200
+        assert (r.headers["x-kvcmas-agent"], r.headers["x-kvcmas-session"]) == ("metrics-probe", "s-1")
+        assert gateway.stats()["agents"]["metrics-probe"]["requests"] >= 1
         assert c.post(CHAT, json=hello(n=3)).status_code == 400
         r = c.get("/metrics")
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")

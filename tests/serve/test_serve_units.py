@@ -84,3 +84,17 @@ def test_metrics_histogram_is_cumulative_and_replicas_sum():
     assert 'kvcmas_ttft_seconds_bucket{le="+Inf"} 3' in text and "kvcmas_ttft_seconds_count 3" in text
     assert "kvcmas_kv_bytes 15" in text and "kvcmas_reuse_requests_total 3" in text
     assert 'kvcmas_tokens_total{kind="prompt"} 9' in text
+
+
+def test_serve_command_options(monkeypatch):
+    from kvcmas_agents.cli import build_parser
+    from kvcmas_agents.serve.cli import serve_config
+
+    monkeypatch.setenv("KVCMAS_API_KEY", "from-env")
+    args = build_parser().parse_args(["serve", "--port", "9001", "--max-body-mib", "1"])
+    cfg = serve_config(args)
+    assert (cfg.host, cfg.port, cfg.api_key, cfg.max_body_bytes) == ("127.0.0.1", 9001, "from-env", 1024 ** 2)
+    assert args.reuse == "kvcmas"
+    assert serve_config(build_parser().parse_args(["serve", "--api-key", "k"])).api_key == "k"
+    monkeypatch.delenv("KVCMAS_API_KEY")
+    assert serve_config(build_parser().parse_args(["serve"])).api_key is None
