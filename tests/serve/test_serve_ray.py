@@ -109,3 +109,12 @@ def test_replica_unavailable_is_a_503():
     err = from_exception(ReplicaUnavailableError("engine replica 1 failed"))
     assert err.status == 503 and err.code == "replica_unavailable"
     assert err.body()["error"]["type"] == "service_unavailable"
+
+
+def test_the_scale_out_options():
+    args = build_parser().parse_args(["serve", "--replicas", "3", "--ray-address", "auto", "--cpus-per-replica", "0.5"])
+    assert (args.replicas, args.ray_address, args.cpus_per_replica) == (3, "auto", 0.5)
+    plain = build_parser().parse_args(["serve"])
+    assert (plain.replicas, plain.ray_address) == (1, None)          # one engine in-process, no Ray
+    with pytest.raises(SystemExit, match="--replicas must be >= 1"):
+        build_backend(build_parser().parse_args(["serve", "--replicas", "0"]))
