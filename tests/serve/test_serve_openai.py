@@ -6,7 +6,7 @@ import json
 import openai
 import pytest
 
-from conftest import API_KEY  # type: ignore[import-not-found]
+from serve_gateway import API_KEY  # type: ignore[import-not-found]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
