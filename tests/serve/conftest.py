@@ -2,7 +2,6 @@
 default-model engine running kvcmas (the gateway's default reuse mode)."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -18,9 +17,7 @@ from kvcmas_agents.registry import ADAPTER_REUSE  # noqa: E402
 from kvcmas_agents.serve import LocalBackend, ServeConfig  # noqa: E402
 from kvcmas_agents.serve.app import create_app  # noqa: E402
 
-API_KEY = "test-key-123"
-MAX_PROMPT_TOKENS = 1024
-MAX_BODY_BYTES = 256 * 1024
+from serve_gateway import API_KEY, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, free_port  # noqa: E402
 
 
 @dataclass
@@ -43,19 +40,13 @@ class Gateway:
             return r.json()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def gateway():
     engine = Engine(EngineConfig(reuse=ADAPTER_REUSE))
     config = ServeConfig(api_key=API_KEY, max_body_bytes=MAX_BODY_BYTES, max_prompt_tokens=MAX_PROMPT_TOKENS,
                          default_max_tokens=16)
     app = create_app(LocalBackend(engine), config)
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="gateway", daemon=True)
     thread.start()

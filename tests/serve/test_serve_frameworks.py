@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import API_KEY  # type: ignore[import-not-found]
+from serve_gateway import API_KEY  # type: ignore[import-not-found]
 from kvcmas_agents.serve.naming import derived_agent
 
 ROLES = ("planner", "coder", "reviewer")

@@ -6,7 +6,7 @@ import json
 import openai
 import pytest
 
-from conftest import API_KEY  # type: ignore[import-not-found]
+from serve_gateway import API_KEY  # type: ignore[import-not-found]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -133,3 +133,12 @@ async def test_concurrent_requests_batch_in_the_engine(gateway):
     assert generated == after["completion_tokens"] - before["completion_tokens"] >= 9
     assert after["steps"] - before["steps"] < generated
     assert after["max_batch_seqs"] >= 2
+
+
+def test_seed_makes_sampling_repeatable_and_stop_ends_the_reply(client):
+    msgs = [{"role": "user", "content": "Tell me a short fact about owls."}]
+    a, b = (client.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=1.0, seed=7)
+            for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0, stop=[" "])
+    assert " " not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"

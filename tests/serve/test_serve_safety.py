@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from conftest import API_KEY, MAX_BODY_BYTES, MAX_PROMPT_TOKENS  # type: ignore[import-not-found]
+from serve_gateway import API_KEY, MAX_BODY_BYTES, MAX_PROMPT_TOKENS  # type: ignore[import-not-found]
 
 CHAT = "/v1/chat/completions"
 

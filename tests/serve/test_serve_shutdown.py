@@ -11,7 +11,7 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from conftest import _free_port  # type: ignore[import-not-found]  # noqa: E402
+from serve_gateway import free_port  # type: ignore[import-not-found]  # noqa: E402
 from kvcmas_agents import Engine, EngineConfig  # noqa: E402
 from kvcmas_agents.serve import LocalBackend, ServeConfig  # noqa: E402
 from kvcmas_agents.serve.app import create_app  # noqa: E402
@@ -22,7 +22,7 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "Tell me about th
 
 def test_shutdown_drains_in_flight_requests_then_closes_the_backend():
     engine = Engine(EngineConfig(reuse="prefix"))
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(LocalBackend(engine), ServeConfig()), host="127.0.0.1",
                                            port=port, log_level="warning", timeout_graceful_shutdown=120))
     thread = threading.Thread(target=server.run, daemon=True)
