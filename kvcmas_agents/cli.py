@@ -1,4 +1,4 @@
-"""The ``kvcmas`` command: ``demo``, ``engine-demo``, ``chat``, ``info``, ``fidelity`` and ``bench`` subcommands.
+"""The ``kvcmas`` command: ``demo``, ``engine-demo``, ``chat``, ``info``, ``fidelity``, ``bench`` and ``serve``.
 
 Add a subcommand by writing ``add_args(parser)`` and ``run(args) -> int`` functions and listing
 them in ``COMMANDS``.
@@ -16,6 +16,7 @@ from .engine import Engine, EngineConfig, EngineError, InvalidRequestError, Mode
 from .model.loader import ensure_safetensors
 from .bench import cli as bench_cli
 from .fidelity import cli as fidelity_cli
+from .serve import cli as serve_cli
 
 
 class Command(NamedTuple):
@@ -108,6 +109,8 @@ COMMANDS: dict[str, Command] = {
                         fidelity_cli.add_args, fidelity_cli.run),
     "bench": Command("replay multi-agent traces through every reuse method: TTFT, memory, fidelity ratios",
                      bench_cli.add_args, bench_cli.run),
+    "serve": Command("OpenAI-compatible HTTP gateway over one shared engine (docs/serve.md)",
+                     serve_cli.add_args, serve_cli.run),
 }
 
 

@@ -28,3 +28,7 @@ class ConfigError(ValueError):
 
 class ModelNotFoundError(FileNotFoundError):
     """The requested model is not installed locally; the message says what to install."""
+
+
+class ReplicaUnavailableError(EngineError):
+    """The engine replica serving the request died (or none is alive); a retry is routed to a live one."""
