@@ -272,6 +272,9 @@ def test_json_cleaning_is_best_effort():
     assert json.loads(clean_json('Here {"a": 1} you go', True)) == {"a": 1}
     assert clean_json("no json here", Answer) == "no json here"
     assert clean_json('{"town": "Oslo"}', Answer) == '{"town": "Oslo"}'
+    two = '```json\n{"town": "Oslo"}\n```\nor\n```json\n{"city": "Bergen"}\n```'
+    assert clean_json(two, Answer) == '{"city":"Bergen"}'     # the first fenced object that validates
+    assert clean_json('```text\n{"city": "Oslo"}\n```', Answer) == '{"city":"Oslo"}'
 
 
 def test_tool_block_filter_hides_call_blocks():
