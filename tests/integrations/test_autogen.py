@@ -31,7 +31,7 @@ from kvcmas_agents.chat.tools import InvalidToolCall, ToolCall
 from kvcmas_agents.integrations import KVCMASClient, register_team
 from kvcmas_agents.integrations import autogen as autogen_module
 from kvcmas_agents.integrations._autogen_convert import clean_json, to_create_result, to_engine_messages
-from kvcmas_agents.integrations._autogen_team import current_agent_name
+from kvcmas_agents.integrations._autogen_team import current_agent_name, team_edges
 from kvcmas_agents.integrations._tool_filter import ToolBlockFilter
 
 HELLO = [SystemMessage(content="You are a helpful assistant."),
@@ -441,6 +441,21 @@ def test_selector_team_edges_follow_participant_order(engine):
     team = SelectorGroupChat(agents, model_client=client)
     assert register_team(team) == [("a", "b"), ("b", "a")]
     assert engine.stats()["edges"] == [("a", "b"), ("b", "a")]
+
+
+def test_team_edges_for_a_team_autogen_cannot_serialize():
+    # team.dump_component() fails on a tool whose source cannot be read; the speaking order does not need it.
+    namespace: dict = {}
+    exec("def shout(text: str) -> str:\n    'Shout.'\n    return text.upper()", namespace)
+    client = KVCMASClient()             # its shared engine is only made on first use, and none is needed here
+    agents = [AssistantAgent("a", model_client=client, tools=[FunctionTool(namespace["shout"], "Shout.")]),
+              AssistantAgent("b", model_client=client)]
+    team = RoundRobinGroupChat(agents)
+    with pytest.raises(OSError):
+        team.dump_component()
+    assert team_edges(team) == [("a", "b"), ("b", "a")]
+    with pytest.raises(TypeError, match="group chat team"):
+        team_edges(SimpleNamespace())
 
 
 async def test_tool_agent_in_team_run_stream(engine):
