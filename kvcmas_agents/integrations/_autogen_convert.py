@@ -110,16 +110,6 @@ def response_format(json_output: bool | type[BaseModel] | None) -> dict[str, Any
             "json_schema": {"name": json_output.__name__, "schema": json_output.model_json_schema()}}
 
 
-def with_instruction(messages: list[dict[str, Any]], instruction: str) -> list[dict[str, Any]]:
-    """Append ``instruction`` to the leading system message (or add one)."""
-    if not instruction:
-        return messages
-    if messages and messages[0]["role"] == "system":
-        head = messages[0]["content"]
-        return [{**messages[0], "content": f"{head}\n\n{instruction}" if head else instruction}, *messages[1:]]
-    return [{"role": "system", "content": instruction}, *messages]
-
-
 def clean_json(text: str, json_output: bool | type[BaseModel]) -> str:
     """Best effort: the JSON in ``text`` (validated against the model type if given), else ``text``."""
     for value in _json_values(text):

@@ -25,11 +25,11 @@ from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel
 from typing_extensions import Self
 
+from ..chat.template import with_system_text
 from ..engine import Engine, EngineError, RequestOutput, ReuseOptions, SamplingParams
 from ..registry import ADAPTER_REUSE, get_engine, hold_engine, release_engine
 from ._autogen_convert import (
     json_instruction, response_format, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
-    with_instruction,
 )
 from ._tool_filter import ToolBlockFilter
 from ._autogen_team import calling_agent_name, current_agent_name, team_edges
@@ -218,7 +218,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         choice = to_engine_tool_choice(tool_choice, engine_tools)
         if choice == "none":   # the model cannot call what it is not shown
             engine_tools, choice = [], "auto"
-        msgs = with_instruction(to_engine_messages(messages), json_instruction(json_output))
+        msgs = with_system_text(to_engine_messages(messages), json_instruction(json_output))
         agent = extra.get("agent") or calling_agent_name() or current_agent_name() or self._agent or "default"
         return _Prepared(msgs, engine_tools or None, choice if engine_tools else None, sampling, agent,
                          reuse_options)
