@@ -180,6 +180,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         if cancellation_token is not None:
             cancellation_token.link_future(task)
         hold = ToolBlockFilter() if req.tools else None
+        shown = ""
         try:
             while True:
                 item = await queue.get()
@@ -188,12 +189,18 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
                         raise asyncio.CancelledError()
                     raise task.exception() or EngineError("stream ended without an output")
                 chunk = hold.push(item.text) if hold else item.text
-                if item.output is not None and hold:
-                    chunk += hold.flush()
+                result = None if item.output is None else self._finish(item.output, json_output)
+                if result is not None and hold:
+                    # A block that was no call (cut off, bad JSON) is text in the result, as in create();
+                    # the chunks then show what the filter held back, so they add up to that text.
+                    rest = chunk + hold.flush()
+                    text = result.content if isinstance(result.content, str) else ""
+                    chunk = text[len(shown):] if text.startswith(shown + rest) else rest
                 if chunk:
+                    shown += chunk
                     yield chunk
-                if item.output is not None:
-                    yield self._finish(item.output, json_output)
+                if result is not None:
+                    yield result
                     return
         finally:
             if not task.done():

@@ -302,6 +302,17 @@ async def test_tool_call_from_few_shot_history(engine):
     assert items[-1].finish_reason == "function_calls" and items[-1].content[0].name == "get_weather"
 
 
+async def test_stream_of_a_cut_off_tool_call_adds_up_to_the_create_result(engine):
+    client = KVCMASClient(engine=engine, max_tokens=8)     # stops inside the <tool_call> block
+    messages = [SystemMessage(content="You are a weather bot. Always answer by calling get_weather."),
+                *weather_history(), UserMessage(content="Weather in London?", source="user")]
+    created = await client.create(messages, tools=[WEATHER])
+    assert created.finish_reason == "length" and created.content.startswith("<tool_call>"), created
+    *chunks, result = [item async for item in client.create_stream(messages, tools=[WEATHER])]
+    assert (result.finish_reason, result.content) == (created.finish_reason, created.content)
+    assert "".join(chunks) == result.content
+
+
 class City(BaseModel):
     name: str
     country: str
