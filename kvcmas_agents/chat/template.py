@@ -156,14 +156,10 @@ class ChatFormatter:
             extra = tool_instructions(tool_specs, tool_choice)
         elif tool_specs:
             extra = tool_choice_instruction(tool_choice)
-        if extra:
-            if prepared[0]["role"] == "system":
-                head = prepared[0]["content"]
-                prepared[0]["content"] = f"{head}\n\n{extra}" if head else extra
-            else:
-                prepared.insert(0, {"role": "system", "content": extra})
-                owners.insert(0, None)
-        return prepared, owners
+        with_extra = with_system_text(prepared, extra)
+        if len(with_extra) > len(prepared):
+            owners.insert(0, None)
+        return with_extra, owners
 
     def _apply(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": add_generation_prompt}
@@ -255,6 +251,19 @@ class ChatFormatter:
         if split < n:
             segments.append(Segment(split, n, "suffix", None, None))
         return segments
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """``messages`` with ``text`` appended to the leading system message, or in a new one in front.
+
+    The adapters add their structured-output instructions this way, and the formatter its tool text.
+    """
+    if not text:
+        return messages
+    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
+        head = messages[0]["content"]
+        return [{**messages[0], "content": f"{head}\n\n{text}" if head else text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _normalize_message(i: int, msg: Any) -> dict:

@@ -219,8 +219,9 @@ def _strip_fence(text: str) -> str:
     return m.group(1).strip() if m else text
 
 
-def _loads_lenient(body: str) -> Any:
-    """json.loads, retrying on the outermost {...} span to drop stray text."""
+def loads_lenient(body: str) -> Any:
+    """json.loads of ``body`` (a fence around it dropped), retrying on the outermost {...} span to drop
+    stray text around an object."""
     body = _strip_fence(body)
     try:
         return json.loads(body)
@@ -234,7 +235,7 @@ def _loads_lenient(body: str) -> Any:
 def _parse_block(body: str, tool_names: set[str] | None, out: ParsedOutput) -> None:
     raw = body.strip()
     try:
-        obj = _loads_lenient(raw)
+        obj = loads_lenient(raw)
     except json.JSONDecodeError as exc:
         m = _NAME_RE.search(raw)
         out.invalid_tool_calls.append(

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import json
-import re
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 from autogen_core import FunctionCall, Image
 from autogen_core.models import (
@@ -11,11 +10,11 @@ from autogen_core.models import (
     UserMessage,
 )
 from autogen_core.tools import Tool, ToolSchema
+from autogen_core.utils import extract_json_from_str
 from pydantic import BaseModel, ValidationError
 
+from ..chat.tools import loads_lenient
 from ..engine.outputs import RequestOutput
-
-_FENCE_RE = re.compile(r"```(?:json)?\s*\n?(.*?)\n?\s*```", re.DOTALL)
 
 
 # --- messages ------------------------------------------------------------------------------
@@ -111,23 +110,9 @@ def response_format(json_output: bool | type[BaseModel] | None) -> dict[str, Any
             "json_schema": {"name": json_output.__name__, "schema": json_output.model_json_schema()}}
 
 
-def with_instruction(messages: list[dict[str, Any]], instruction: str) -> list[dict[str, Any]]:
-    """Append ``instruction`` to the leading system message (or add one)."""
-    if not instruction:
-        return messages
-    if messages and messages[0]["role"] == "system":
-        head = messages[0]["content"]
-        return [{**messages[0], "content": f"{head}\n\n{instruction}" if head else instruction}, *messages[1:]]
-    return [{"role": "system", "content": instruction}, *messages]
-
-
 def clean_json(text: str, json_output: bool | type[BaseModel]) -> str:
     """Best effort: the JSON in ``text`` (validated against the model type if given), else ``text``."""
-    for candidate in _json_candidates(text):
-        try:
-            value = json.loads(candidate)
-        except json.JSONDecodeError:
-            continue
+    for value in _json_values(text):
         if isinstance(json_output, type):
             try:
                 return json_output.model_validate(value).model_dump_json()
@@ -137,13 +122,17 @@ def clean_json(text: str, json_output: bool | type[BaseModel]) -> str:
     return text
 
 
-def _json_candidates(text: str) -> list[str]:
-    out = [text.strip()]
-    out += [m.strip() for m in _FENCE_RE.findall(text)]
-    first, last = text.find("{"), text.rfind("}")
-    if 0 <= first < last:
-        out.append(text[first:last + 1])
-    return out
+def _json_values(text: str) -> Iterator[Any]:
+    # autogen-core's extractor reads the whole reply or each ``` fenced block; the chat layer's lenient
+    # read also finds an object with prose around it, which the extractor does not.
+    try:
+        yield from extract_json_from_str(text.strip())
+    except ValueError:              # not JSON, or a fence in another language
+        pass
+    try:
+        yield loads_lenient(text)
+    except ValueError:
+        pass
 
 
 # --- results -------------------------------------------------------------------------------

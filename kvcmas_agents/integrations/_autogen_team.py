@@ -30,7 +30,6 @@ def calling_agent_name() -> str | None:
     return None
 
 
-
 def current_agent_name() -> str | None:
     """The name of the AutoGen agent whose message handler is running, or None outside one.
 
@@ -55,6 +54,10 @@ def team_edges(team: Any) -> list[tuple[str, str]]:
     SelectorGroupChat and other group chats: the same cycle over the participant order, as an
     approximation, since the speaker is picked at run time.
     """
+    # Read from the team's own attributes: AgentChat has no public accessor for them, and its public
+    # ``dump_component()``, which carries the same participants and graph, serializes every participant
+    # with it (model clients, tools' source code) and fails on a custom agent without a config or a tool
+    # whose source cannot be read, so it would need this same fallback anyway.
     graph = getattr(team, "_graph", None)
     if graph is not None and hasattr(graph, "nodes"):
         return [(node.name, edge.target) for node in graph.nodes.values() for edge in node.edges]

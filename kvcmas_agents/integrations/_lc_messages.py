@@ -4,16 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from langchain_core.messages import (
-    AIMessage,
-    AIMessageChunk,
-    BaseMessage,
-    ChatMessage,
-    FunctionMessage,
-    HumanMessage,
-    SystemMessage,
-    ToolMessage,
-)
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, convert_to_openai_messages
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.utils.json import parse_partial_json
@@ -30,6 +21,7 @@ _SKIPPED_BLOCKS = frozenset({
 })
 _MEDIA_BLOCKS = frozenset({"image", "image_url", "input_image", "file", "input_file", "audio", "input_audio",
                            "video", "document", "media"})
+_NAMED_ROLES = ("user", "assistant", "tool")   # the roles whose ``name`` says which agent or tool spoke
 
 
 def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
@@ -41,46 +33,35 @@ def to_engine_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
 
 def _convert(i: int, msg: BaseMessage) -> dict[str, Any]:
-    if isinstance(msg, SystemMessage):
-        out: dict[str, Any] = {"role": "system"}
-    elif isinstance(msg, HumanMessage):
-        out = {"role": "user"}
-    elif isinstance(msg, AIMessage):
-        out = {"role": "assistant"}
-        if msg.tool_calls:
-            out["tool_calls"] = [_openai_call(tc) for tc in msg.tool_calls]
-    elif isinstance(msg, ToolMessage):
-        out = {"role": "tool", "tool_call_id": msg.tool_call_id}
-    elif isinstance(msg, ChatMessage):
-        out = {"role": msg.role}   # unknown roles are rejected by the engine with a clear error
-    elif isinstance(msg, FunctionMessage):
-        out = {"role": "tool"}
-    else:
-        raise ValueError(f"messages[{i}]: unsupported message type {type(msg).__name__}")
-    out["content"] = _text_content(i, msg)
-    if msg.name and out["role"] in ("user", "assistant", "tool"):
-        out["name"] = msg.name
+    # LangChain's own converter does roles, tool calls and tool-call ids. On top of it: content stays a
+    # list of blocks and its text blocks are joined with no separator (its "string" format joins them with
+    # newlines, which would change text that streaming split into blocks); reasoning and tool-use blocks
+    # are dropped and media rejected (text-only models); a FunctionMessage becomes a tool result (the
+    # engine has no "function" role); names are kept only where they name an agent or a tool, and ids the
+    # messages do not have are left out (the engine makes its own). Unknown ChatMessage roles are passed
+    # on for the engine to reject with its own error.
+    try:
+        d = convert_to_openai_messages(msg, text_format="block")
+    except ValueError as exc:       # e.g. a BaseMessage subclass it does not know
+        raise ValueError(f"messages[{i}]: unsupported message: {exc}") from exc
+    role = "tool" if d["role"] == "function" else d["role"]
+    out: dict[str, Any] = {"role": role}
+    if d.get("tool_calls"):
+        out["tool_calls"] = [{k: v for k, v in c.items() if k != "id" or v} for c in d["tool_calls"]]
+    if "tool_call_id" in d:
+        out["tool_call_id"] = d["tool_call_id"]
+    out["content"] = _text_content(i, d["content"])
+    if d.get("name") and role in _NAMED_ROLES:
+        out["name"] = d["name"]
     return out
 
 
-def _openai_call(tc: dict[str, Any]) -> dict[str, Any]:
-    call: dict[str, Any] = {"type": "function",
-                            "function": {"name": tc["name"], "arguments": json.dumps(tc["args"], ensure_ascii=False)}}
-    if tc.get("id"):
-        call["id"] = tc["id"]
-    return call
-
-
-def _text_content(i: int, msg: BaseMessage) -> str:
-    content = msg.content
+def _text_content(i: int, content: str | list[dict[str, Any]]) -> str:
     if isinstance(content, str):
         return content
     parts: list[str] = []
     for j, block in enumerate(content):
-        if isinstance(block, str):
-            parts.append(block)
-            continue
-        kind = block.get("type") if isinstance(block, dict) else None
+        kind = block.get("type")
         if kind == "text" and isinstance(block.get("text"), str):
             parts.append(block["text"])
         elif kind in _SKIPPED_BLOCKS:

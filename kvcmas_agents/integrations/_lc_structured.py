@@ -61,16 +61,6 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False)
 
 
-def with_instruction(messages: list[dict[str, Any]], instruction: str) -> list[dict[str, Any]]:
-    """Append ``instruction`` to the leading system message, adding one when there is none."""
-    if not instruction:
-        return messages
-    if messages and messages[0].get("role") == "system" and isinstance(messages[0].get("content"), str):
-        head = messages[0]["content"]
-        return [{**messages[0], "content": f"{head}\n\n{instruction}" if head else instruction}, *messages[1:]]
-    return [{"role": "system", "content": instruction}, *messages]
-
-
 def json_parser(schema: Any) -> OutputParserLike:
     """Parse JSON text into the schema's pydantic class, or into a dict."""
     if isinstance(schema, type) and is_basemodel_subclass(schema):

@@ -25,11 +25,11 @@ from autogen_core.tools import Tool, ToolSchema
 from pydantic import BaseModel
 from typing_extensions import Self
 
+from ..chat.template import with_system_text
 from ..engine import Engine, EngineError, RequestOutput, ReuseOptions, SamplingParams
 from ..registry import ADAPTER_REUSE, get_engine, hold_engine, release_engine
 from ._autogen_convert import (
     json_instruction, response_format, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
-    with_instruction,
 )
 from ._tool_filter import ToolBlockFilter
 from ._autogen_team import calling_agent_name, current_agent_name, team_edges
@@ -180,6 +180,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         if cancellation_token is not None:
             cancellation_token.link_future(task)
         hold = ToolBlockFilter() if req.tools else None
+        shown = ""
         try:
             while True:
                 item = await queue.get()
@@ -188,12 +189,18 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
                         raise asyncio.CancelledError()
                     raise task.exception() or EngineError("stream ended without an output")
                 chunk = hold.push(item.text) if hold else item.text
-                if item.output is not None and hold:
-                    chunk += hold.flush()
+                result = None if item.output is None else self._finish(item.output, json_output)
+                if result is not None and hold:
+                    # A block that was no call (cut off, bad JSON) is text in the result, as in create();
+                    # the chunks then show what the filter held back, so they add up to that text.
+                    rest = chunk + hold.flush()
+                    text = result.content if isinstance(result.content, str) else ""
+                    chunk = text[len(shown):] if text.startswith(shown + rest) else rest
                 if chunk:
+                    shown += chunk
                     yield chunk
-                if item.output is not None:
-                    yield self._finish(item.output, json_output)
+                if result is not None:
+                    yield result
                     return
         finally:
             if not task.done():
@@ -218,7 +225,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         choice = to_engine_tool_choice(tool_choice, engine_tools)
         if choice == "none":   # the model cannot call what it is not shown
             engine_tools, choice = [], "auto"
-        msgs = with_instruction(to_engine_messages(messages), json_instruction(json_output))
+        msgs = with_system_text(to_engine_messages(messages), json_instruction(json_output))
         agent = extra.get("agent") or calling_agent_name() or current_agent_name() or self._agent or "default"
         return _Prepared(msgs, engine_tools or None, choice if engine_tools else None, sampling, agent,
                          reuse_options)

@@ -15,6 +15,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field, model_validator
 
+from ..chat.template import with_system_text
 from ..engine import Engine, ReuseOptions, SamplingParams
 from ..model.loader import DEFAULT_MODEL
 from ..registry import ADAPTER_REUSE, get_engine
@@ -208,7 +209,7 @@ class ChatKVCMAS(BaseChatModel):
         reuse_options = self._reuse_options({k: kwargs.pop(k) for k in _REUSE_KEYS if k in kwargs})
         if kwargs:
             raise TypeError(f"ChatKVCMAS got unexpected call arguments: {sorted(kwargs)}")
-        engine_messages = structured.with_instruction(conv.to_engine_messages(messages), instruction)
+        engine_messages = with_system_text(conv.to_engine_messages(messages), instruction)
         return engine, {"messages": engine_messages, "agent": agent, "sampling": sampling,
                         "tools": tools, "tool_choice": tool_choice, "reuse_options": reuse_options}
 

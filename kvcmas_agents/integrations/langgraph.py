@@ -20,6 +20,9 @@ def graph_edges(graph: Any) -> list[tuple[str, str]]:
     return type). The start/end markers are dropped; edges come out in node-definition order.
     """
     builder = getattr(graph, "builder", graph)
+    # LangGraph's drawable graph (``get_graph()``) leaves out nodes it cannot reach from the start, such as
+    # those only an undeclared ``Send`` reaches, with their edges; the builder's public edge and branch
+    # tables still have them, so both are read.
     found: set[tuple[str, str]] = set()
     if hasattr(graph, "get_graph"):
         found.update((e.source, e.target) for e in graph.get_graph().edges)

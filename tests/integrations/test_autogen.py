@@ -31,7 +31,7 @@ from kvcmas_agents.chat.tools import InvalidToolCall, ToolCall
 from kvcmas_agents.integrations import KVCMASClient, register_team
 from kvcmas_agents.integrations import autogen as autogen_module
 from kvcmas_agents.integrations._autogen_convert import clean_json, to_create_result, to_engine_messages
-from kvcmas_agents.integrations._autogen_team import current_agent_name
+from kvcmas_agents.integrations._autogen_team import current_agent_name, team_edges
 from kvcmas_agents.integrations._tool_filter import ToolBlockFilter
 
 HELLO = [SystemMessage(content="You are a helpful assistant."),
@@ -272,6 +272,9 @@ def test_json_cleaning_is_best_effort():
     assert json.loads(clean_json('Here {"a": 1} you go', True)) == {"a": 1}
     assert clean_json("no json here", Answer) == "no json here"
     assert clean_json('{"town": "Oslo"}', Answer) == '{"town": "Oslo"}'
+    two = '```json\n{"town": "Oslo"}\n```\nor\n```json\n{"city": "Bergen"}\n```'
+    assert clean_json(two, Answer) == '{"city":"Bergen"}'     # the first fenced object that validates
+    assert clean_json('```text\n{"city": "Oslo"}\n```', Answer) == '{"city":"Oslo"}'
 
 
 def test_tool_block_filter_hides_call_blocks():
@@ -297,6 +300,17 @@ async def test_tool_call_from_few_shot_history(engine):
     items = [item async for item in client.create_stream(messages, tools=[WEATHER])]
     assert all("<tool_call>" not in i for i in items[:-1])
     assert items[-1].finish_reason == "function_calls" and items[-1].content[0].name == "get_weather"
+
+
+async def test_stream_of_a_cut_off_tool_call_adds_up_to_the_create_result(engine):
+    client = KVCMASClient(engine=engine, max_tokens=8)     # stops inside the <tool_call> block
+    messages = [SystemMessage(content="You are a weather bot. Always answer by calling get_weather."),
+                *weather_history(), UserMessage(content="Weather in London?", source="user")]
+    created = await client.create(messages, tools=[WEATHER])
+    assert created.finish_reason == "length" and created.content.startswith("<tool_call>"), created
+    *chunks, result = [item async for item in client.create_stream(messages, tools=[WEATHER])]
+    assert (result.finish_reason, result.content) == (created.finish_reason, created.content)
+    assert "".join(chunks) == result.content
 
 
 class City(BaseModel):
@@ -438,6 +452,21 @@ def test_selector_team_edges_follow_participant_order(engine):
     team = SelectorGroupChat(agents, model_client=client)
     assert register_team(team) == [("a", "b"), ("b", "a")]
     assert engine.stats()["edges"] == [("a", "b"), ("b", "a")]
+
+
+def test_team_edges_for_a_team_autogen_cannot_serialize():
+    # team.dump_component() fails on a tool whose source cannot be read; the speaking order does not need it.
+    namespace: dict = {}
+    exec("def shout(text: str) -> str:\n    'Shout.'\n    return text.upper()", namespace)
+    client = KVCMASClient()             # its shared engine is only made on first use, and none is needed here
+    agents = [AssistantAgent("a", model_client=client, tools=[FunctionTool(namespace["shout"], "Shout.")]),
+              AssistantAgent("b", model_client=client)]
+    team = RoundRobinGroupChat(agents)
+    with pytest.raises(OSError):
+        team.dump_component()
+    assert team_edges(team) == [("a", "b"), ("b", "a")]
+    with pytest.raises(TypeError, match="group chat team"):
+        team_edges(SimpleNamespace())
 
 
 async def test_tool_agent_in_team_run_stream(engine):

@@ -15,7 +15,7 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.load import dumpd, loads
 from langchain_core.messages import (
-    AIMessage, AIMessageChunk, ChatMessage, HumanMessage, SystemMessage, ToolMessage,
+    AIMessage, AIMessageChunk, BaseMessage, ChatMessage, FunctionMessage, HumanMessage, SystemMessage, ToolMessage,
 )
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
@@ -82,6 +82,31 @@ def test_message_conversion_roles_tool_calls_and_text_blocks():
         {"role": "tool", "tool_call_id": "t1", "content": "3"},
         {"role": "developer", "content": "dev"},
     ]
+
+
+def test_message_conversion_on_top_of_langchains_converter():
+    streamed = AIMessageChunk([{"type": "text", "text": "Hel", "index": 0}, {"type": "text", "text": "lo", "index": 1}])
+    msgs = to_engine_messages([
+        SystemMessage("sys", name="boss"),        # a system name names no agent: dropped
+        streamed,                                 # text blocks re-join with no separator
+        AIMessage("", tool_calls=[{"name": "add", "args": {}, "id": None}]),   # no id: left to the engine
+        FunctionMessage(name="add", content="3"),  # the engine has no "function" role
+        AIMessage([{"type": "reasoning", "reasoning": "hidden"}, {"type": "text", "text": "shown"}]),
+    ])
+    assert msgs == [
+        {"role": "system", "content": "sys"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "content": "3", "name": "add"},
+        {"role": "assistant", "content": "shown"},
+    ]
+
+    class Custom(BaseMessage):
+        type: str = "custom"
+
+    with pytest.raises(ValueError, match=r"messages\[1\]: unsupported message"):
+        to_engine_messages([HumanMessage("hi"), Custom(content="x")])
 
 
 @pytest.mark.parametrize("block", [
