@@ -31,7 +31,7 @@ from ..registry import ADAPTER_REUSE, get_engine, hold_engine, release_engine
 from ._autogen_convert import (
     json_instruction, response_format, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
 )
-from ._tool_filter import ToolBlockFilter
+from ..chat.tool_filter import ToolBlockFilter
 from ._autogen_team import calling_agent_name, current_agent_name, team_edges
 
 __all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]

@@ -22,7 +22,7 @@ from ..registry import ADAPTER_REUSE, get_engine
 from . import _lc_messages as conv
 from . import _lc_structured as structured
 from ._lc_sync import iterate_sync
-from ._tool_filter import ToolBlockFilter
+from ..chat.tool_filter import ToolBlockFilter
 
 DEFAULT_AGENT = "default"
 _SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "seed")

@@ -32,7 +32,7 @@ from kvcmas_agents.integrations import KVCMASClient, register_team
 from kvcmas_agents.integrations import autogen as autogen_module
 from kvcmas_agents.integrations._autogen_convert import clean_json, to_create_result, to_engine_messages
 from kvcmas_agents.integrations._autogen_team import current_agent_name, team_edges
-from kvcmas_agents.integrations._tool_filter import ToolBlockFilter
+from kvcmas_agents.chat.tool_filter import ToolBlockFilter
 
 HELLO = [SystemMessage(content="You are a helpful assistant."),
          UserMessage(content="Say hello in one short sentence.", source="user")]

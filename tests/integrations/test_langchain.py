@@ -25,7 +25,7 @@ from kvcmas_agents.chat.tools import InvalidToolCall
 from kvcmas_agents.engine.outputs import RequestOutput, Usage
 from kvcmas_agents.integrations import langchain as lc_module
 from kvcmas_agents.integrations._lc_messages import ai_message, final_chunk, to_engine_messages
-from kvcmas_agents.integrations._tool_filter import ToolBlockFilter
+from kvcmas_agents.chat.tool_filter import ToolBlockFilter
 from kvcmas_agents.integrations.langchain import ChatKVCMAS
 from kvcmas_agents.registry import get_engine
 
