@@ -223,6 +223,31 @@ def _layer_of(first: int, layer: int | slice, read: Callable[[int | slice], torc
     return torch.cat([like.new_zeros((first, *shape), dtype=dtype), read(slice(None))])
 
 
+@dataclass
+class KeptCodes:
+    """Several states' U of one layer kept unpacked for a decode (``Coeffs.exact_codes``): int8 codes
+    [KVH, R, r], and for quantized rows their row scales [KVH, R, 1] and each state's channel scales
+    (None, or (scales [KVH, 1, D] or None, its rows) per state)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor | None = None
+    channels: list[tuple[torch.Tensor | None, int]] | None = None
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        u = self.codes.to(dtype)
+        if self.scale is not None:
+            u.mul_(self.scale.to(dtype))
+        if self.channels is not None:        # as Coeffs.joined scales them: one product over all rows
+            u.mul_(torch.cat([(c.to(dtype) if c is not None else u.new_ones(1, 1, 1)).expand(u.shape[0], n, u.shape[2])
+                              for c, n in self.channels], dim=1))
+        return u
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + sum(t.numel() * t.element_size() for t in
+                                        [self.scale] + [c for c, _ in self.channels or []] if t is not None)
+
+
 @dataclass(frozen=True)
 class Coeffs:
     """A U factor [L, KVH, R, r] as read: plain (its last ``tail`` components 4-bit codes packed in
@@ -290,10 +315,21 @@ class Coeffs:
         return None if codes is None else features(codes, first.tail, first.head)
 
     @staticmethod
-    def integral(us: list["Coeffs"], layer: int) -> bool:
-        """Whether ``joined(us, layer)`` holds small integers that int8 keeps exactly (plain int8 codes:
-        6-bit, 4-bit or int8 components, the scale living in the basis)."""
-        return us[0].u.dtype == torch.int8 and Coeffs._plain_codes(us, layer) is not None
+    def exact_codes(us: list["Coeffs"], layer: int) -> "KeptCodes | None":
+        """``joined(us, layer)`` as int8 codes (exact: they are small integers) and what scales them back
+        (``KeptCodes.read`` is ``joined`` to the bit); None for float factors or states that leave the layer
+        out."""
+        if us[0].u.dtype == torch.int8 and Coeffs._plain_codes(us, layer) is not None:
+            return KeptCodes(Coeffs.joined(us, layer, torch.float32).to(torch.int8))
+        if any(layer < u.first or u.scale is None or u.bits != us[0].bits for u in us):
+            return None
+        idx = [layer - u.first for u in us]
+        scale = torch.cat([u.scale[i] for u, i in zip(us, idx)], dim=1)
+        codes = dequantize_rows(torch.cat([u.u[i] for u, i in zip(us, idx)], dim=1), torch.ones_like(scale),
+                                torch.float32, us[0].bits)
+        channels = ([(u.channel[i] if u.channel is not None else None, u.num_rows) for u, i in zip(us, idx)]
+                    if any(u.channel is not None for u in us) else None)
+        return KeptCodes(codes.to(torch.int8), scale, channels)
 
     @staticmethod
     def _plain_codes(us: list["Coeffs"], layer: int) -> torch.Tensor | None:
