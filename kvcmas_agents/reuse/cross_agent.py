@@ -34,9 +34,12 @@ class CrossAgentMethod(ReuseMethod):
         super().__init__(*args, **kwargs)
         self.kept_views: dict[int, GatheredView] = {}      # by id(request): views kept for their decode
 
-    def state_bytes(self) -> int:
+    def kept_code_bytes(self) -> int:
         """What running requests' kept views hold besides their KV (unpacked correction codes)."""
         return sum(v.kept_bytes() for v in self.kept_views.values())
+
+    def state_bytes(self) -> int:
+        return self.kept_code_bytes()
 
     # --- planning (at admission) ---------------------------------------------------------------
     def plan(self, req: ReuseRequest) -> None:

@@ -116,7 +116,7 @@ class KVComm(PrivateCopyMethod):
             req.recomputed_tokens += n
 
     def state_bytes(self) -> int:
-        return self.pool.nbytes + super().state_bytes()
+        return self.pool.nbytes + self.kept_code_bytes()
 
     def shed_state(self) -> bool:
         return self.pool.drop_oldest()

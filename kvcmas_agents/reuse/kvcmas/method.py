@@ -83,7 +83,7 @@ class KVCMAS(CrossAgentMethod):
 
     # --- accounting ------------------------------------------------------------------------------
     def state_bytes(self) -> int:
-        return self.ctx.segments.correction_bytes + super().state_bytes()
+        return self.ctx.segments.correction_bytes + self.kept_code_bytes()
 
     def shed_state(self) -> bool:
         return self.ctx.segments.evict_correction()
@@ -98,6 +98,6 @@ class KVCMAS(CrossAgentMethod):
             "rows_dropped": c.rows_dropped, "layers_dropped": c.layers_dropped,
             "selections_capped": c.selections_capped, "selections_skipped": c.selections_skipped,
             "decode_copies": self.decode_copies, "decode_copy_blocks": self.decode_copy_blocks,
-            "kept_code_bytes": CrossAgentMethod.state_bytes(self),
+            "kept_code_bytes": self.kept_code_bytes(),
             "prefetch": asdict(self.prefetcher.stats) if self.prefetcher is not None else None,
         }
