@@ -101,13 +101,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated_half * sin
 
 
-def rotate_(x: torch.Tensor, cos_half: torch.Tensor, sin_half: torch.Tensor) -> torch.Tensor:
-    """``rotate`` in place, given the first halves of cos/sin [..., head_dim // 2] (rotate-half tables
-    repeat their angles in both halves). Bitwise equal to ``rotate``: every product and sum is rounded
-    as it is there, but there is no concatenated copy and one full-size temporary fewer."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    x1_sin, x2_sin = x1 * sin_half, x2 * sin_half
-    x1.mul_(cos_half).sub_(x2_sin)
-    x2.mul_(cos_half).add_(x1_sin)
-    return x
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """A rotate-half sin table with its first half negated, the form ``rotate_`` takes."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+
+def rotate_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``rotate`` in place, given cos and ``signed_sin(sin)``: x * cos + swap_halves(x) * sin_signed.
+    Bitwise equal to ``rotate`` (negating a factor is exact, every product and sum is rounded as there),
+    in four whole-width ops: on CPU the six half-width strided ops it replaces took twice as long, and a
+    decode over a view with many rotated segments rotates its reused keys in every layer."""
+    swapped = torch.roll(x, x.shape[-1] // 2, dims=-1).mul_(sin_signed)
+    return x.mul_(cos).add_(swapped)

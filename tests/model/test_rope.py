@@ -14,7 +14,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from kvcmas_agents.model.args import ModelArgs
-from kvcmas_agents.model.rope import SUPPORTED_SCALINGS, RotaryEmbedding, inv_frequencies, rotate, rotate_
+from kvcmas_agents.model.rope import SUPPORTED_SCALINGS, RotaryEmbedding, inv_frequencies, rotate, rotate_, signed_sin
 
 HEAD_DIM = 64
 HIDDEN = 256          # 4 heads of HEAD_DIM
@@ -146,7 +146,7 @@ def test_rotate_in_place_is_bitwise_rotate(dtype):
     cos, sin = rope.cos_sin(positions)
     expected = rotate(x, cos, sin)
     work = x.clone()
-    out = rotate_(work, cos[..., :HEAD_DIM // 2], sin[..., :HEAD_DIM // 2])
+    out = rotate_(work, cos, signed_sin(sin))
     assert out is work                                    # in place
     assert torch.equal(out, expected)                     # same roundings, not just close
     assert not torch.equal(out, x)

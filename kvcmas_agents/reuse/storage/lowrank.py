@@ -226,26 +226,37 @@ def _layer_of(first: int, layer: int | slice, read: Callable[[int | slice], torc
 @dataclass
 class KeptCodes:
     """Several states' U of one layer kept unpacked for a decode (``Coeffs.exact_codes``): int8 codes
-    [KVH, R, r], and for quantized rows their row scales [KVH, R, 1] and each state's channel scales
-    (None, or (scales [KVH, 1, D] or None, its rows) per state)."""
+    [KVH, R, r], and for quantized rows their row scales [KVH, R, 1] and, where a state has them, the
+    channel scales: one table [KVH, S, D] of the states' scales (ones for a state without) and each
+    row's state [R] in it."""
 
     codes: torch.Tensor
     scale: torch.Tensor | None = None
-    channels: list[tuple[torch.Tensor | None, int]] | None = None
+    channels: torch.Tensor | None = None
+    row_state: torch.Tensor | None = None
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         u = self.codes.to(dtype)
         if self.scale is not None:
             u.mul_(self.scale.to(dtype))
-        if self.channels is not None:        # as Coeffs.joined scales them: one product over all rows
-            u.mul_(torch.cat([(c.to(dtype) if c is not None else u.new_ones(1, 1, 1)).expand(u.shape[0], n, u.shape[2])
-                              for c, n in self.channels], dim=1))
+        if self.channels is not None:        # as Coeffs.joined scales them, by one gather of the table
+            u.mul_(self.channels.to(dtype).index_select(1, self.row_state))
         return u
+
+    @staticmethod
+    def channel_table(channels: list[tuple[torch.Tensor | None, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table [KVH, S, D], row states [R] int32) of per-state channel scales [KVH, 1, D] (or None: ones),
+        each given with its number of rows."""
+        like = next(c for c, _ in channels if c is not None)
+        table = torch.cat([c if c is not None else torch.ones_like(like) for c, _ in channels], dim=1)
+        rows = torch.repeat_interleave(torch.arange(len(channels), dtype=torch.int32),
+                                       torch.tensor([n for _, n in channels]))
+        return table, rows.to(like.device)
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + sum(t.numel() * t.element_size() for t in
-                                        [self.scale] + [c for c, _ in self.channels or []] if t is not None)
+                                        (self.scale, self.channels, self.row_state) if t is not None)
 
 
 @dataclass(frozen=True)
@@ -327,9 +338,11 @@ class Coeffs:
         scale = torch.cat([u.scale[i] for u, i in zip(us, idx)], dim=1)
         codes = dequantize_rows(torch.cat([u.u[i] for u, i in zip(us, idx)], dim=1), torch.ones_like(scale),
                                 torch.float32, us[0].bits)
-        channels = ([(u.channel[i] if u.channel is not None else None, u.num_rows) for u, i in zip(us, idx)]
-                    if any(u.channel is not None for u in us) else None)
-        return KeptCodes(codes.to(torch.int8), scale, channels)
+        if not any(u.channel is not None for u in us):
+            return KeptCodes(codes.to(torch.int8), scale)
+        table, rows = KeptCodes.channel_table([(u.channel[i] if u.channel is not None else None, u.num_rows)
+                                               for u, i in zip(us, idx)])
+        return KeptCodes(codes.to(torch.int8), scale, table, rows)
 
     @staticmethod
     def _plain_codes(us: list["Coeffs"], layer: int) -> torch.Tensor | None:
