@@ -49,6 +49,35 @@ def headline_table(entry: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def replay_work(m: dict[str, Any]) -> dict[str, float]:
+    """What one replay computed and where its time went: tokens its turns prefilled under their own
+    prefix and recomputed in corrections at turn time, tokens its ahead-of-time corrections recomputed,
+    the seconds of each, and the rest of the replay (decode, and what neither counts)."""
+    turns = m["turns"]
+    own = sum(t["prompt_tokens"] - t["cached_tokens"] - t["reused_tokens"] for t in turns)
+    recomputed = sum(t["recomputed_tokens"] for t in turns)
+    pf = (m.get("engine") or {}).get("prefetch") or {}
+    ahead_tok, ahead_s = pf.get("recomputed_tokens", 0), pf.get("seconds", 0.0)
+    return {"prefilled": own, "recomputed_at_turn": recomputed, "recomputed_ahead": ahead_tok,
+            "computed": own + recomputed + ahead_tok, "ttft_s": m["ttft_total"], "ahead_s": ahead_s,
+            "rest_s": m["wall_s"] - m["ttft_total"] - ahead_s, "wall_s": m["wall_s"]}
+
+
+def work_table(entry: dict[str, Any]) -> str:
+    """Where each replay's time went, with the prompt tokens it computed: on a CPU ahead-of-time work
+    shares the cores with decode, so the replay is faster than prefix's only if its turns and its
+    ahead-of-time corrections together compute less than prefix prefills."""
+    rows = [(m["label"], m) for m in entry["methods"].values()]
+    rows += [(f"{m['label']}, undeclared", m) for m in entry.get("undeclared", {}).values()]
+    lines = ["| method | replay s | tokens computed (prefilled + recomputed at turn time + ahead of time) | "
+             "first tokens s | ahead-of-time s | decode and the rest s |", "|---|---|---|---|---|---|"]
+    for label, m in rows:
+        w = replay_work(m)
+        lines.append(f"| {label} | {w['wall_s']:.0f} | {w['computed']} ({w['prefilled']} + {w['recomputed_at_turn']} + "
+                     f"{w['recomputed_ahead']}) | {w['ttft_s']:.1f} | {w['ahead_s']:.1f} | {w['rest_s']:.1f} |")
+    return "\n".join(lines)
+
+
 PHASE_COLUMNS = ("queue", "ahead", "plan", "select", "recompute", "compress", "correct", "forward", "other")
 
 
@@ -155,7 +184,8 @@ def markdown(result: dict[str, Any], command: str = "") -> str:
         out += ["", f"## {name}", "", "What a user feels (replay time and decode rate against prefix's, TTFT "
                 "with the agents declared and without):", "", headline_table(entry), "",
                 method_table(name, entry), "", memory_table(name, entry), "",
-                "Where a later turn's TTFT goes (mean ms by phase):", "", phase_table(entry)]
+                "Where a later turn's TTFT goes (mean ms by phase):", "", phase_table(entry), "",
+                "Where the replay's time goes, and the prompt tokens each replay computed:", "", work_table(entry)]
         if entry.get("sweep"):
             out += ["", "Knob sweep (kvcmas):", "", sweep_table(entry)]
         if entry.get("throughput"):

@@ -68,6 +68,26 @@ def test_headline_figures_undeclared_replays_and_where_ttft_goes(report):
     assert "What a user feels" in md and "| kvcmas, undeclared |" in md and "Agents decoding at once" in md
 
 
+def test_where_the_replay_time_goes_and_the_tokens_each_replay_computed(report):
+    """The work table adds up: a replay's parts sum to its wall time, prefix prefills every token it does
+    not find cached, and a reusing replay counts what its corrections recomputed at turn time and ahead."""
+    from kvcmas_agents.bench.report import replay_work
+
+    out, result = report
+    entry = result["traces"]["csv"]
+    for m in list(entry["methods"].values()) + list(entry["undeclared"].values()):
+        w = replay_work(m)
+        assert w["ttft_s"] + w["ahead_s"] + w["rest_s"] == pytest.approx(m["wall_s"])
+        assert w["computed"] == w["prefilled"] + w["recomputed_at_turn"] + w["recomputed_ahead"]
+    prefix, kvcmas = replay_work(entry["methods"]["prefix"]), replay_work(entry["methods"]["kvcmas"])
+    turns = entry["methods"]["prefix"]["turns"]
+    assert prefix["computed"] == sum(t["prompt_tokens"] - t["cached_tokens"] for t in turns) > 0
+    assert prefix["recomputed_at_turn"] == prefix["recomputed_ahead"] == 0
+    assert kvcmas["recomputed_at_turn"] + kvcmas["recomputed_ahead"] > 0
+    assert kvcmas["prefilled"] < prefix["prefilled"]
+    assert "Where the replay's time goes" in (out / "bench.md").read_text()
+
+
 def test_exact_modes_are_exact_and_reuse_modes_reuse(report):
     _, result = report
     methods = result["traces"]["csv"]["methods"]
