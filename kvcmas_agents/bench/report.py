@@ -135,13 +135,15 @@ def memory_table(name: str, entry: dict[str, Any]) -> str:
 
 
 def sweep_table(entry: dict[str, Any]) -> str:
-    """One row per swept knob setting, its peak memory against the same run's baselines included."""
-    lines = ["| kvcmas knobs | TTFT mean ms | first-token KL | TF KL | agreement | recomputed | corrections MiB | "
-             "peak KV+state MiB | less than kvcomm | less than prefix |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    """One row per swept knob setting, its replay time and peak memory against the same run's baselines
+    included."""
+    lines = ["| kvcmas knobs | replay s (vs prefix) | TTFT mean ms | first-token KL | TF KL | agreement | recomputed | "
+             "corrections MiB | peak KV+state MiB | less than kvcomm | less than prefix |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m in entry.get("sweep", []):
         f, mem, r = m["fidelity"], m["memory"], m.get("ratios", {})
-        lines.append(f"| {m['label']} | {m['ttft_mean'] * 1e3:.0f} | {_kl(f.get('first_token_kl_mean'))} | "
+        lines.append(f"| {m['label']} | {m['wall_s']:.0f} ({_x(r.get('replay_time_vs_prefix'))}) | "
+                     f"{m['ttft_mean'] * 1e3:.0f} | {_kl(f.get('first_token_kl_mean'))} | "
                      f"{_kl(f.get('tf_kl_mean'))} | {f.get('agreement_mean', 0):.2f} | "
                      f"{100 * f.get('recomputed_frac_mean', 0):.0f}% | {mem['correction_bytes'] / MIB:.1f} | "
                      f"{mem['kv_bytes_total_peak'] / MIB:.1f} | {_x(r.get('memory_reduction_vs_kvcomm'))} | "
