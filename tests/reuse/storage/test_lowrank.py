@@ -556,3 +556,28 @@ def test_stacked_bases_equal_each_basis_read_alone():
     assert any(b.cos is not None for b in (realigner.key_basis(s) for s in moved))
     # a state that does not store the layer reads zeros there, as alone
     assert not Basis.stacked([realigner.key_basis(s) for s in moved], 0)[0].any()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kept_codes_read_back_joined_to_the_bit_with_and_without_channel_scales(bits):
+    """Quantized rows kept for a decode (``Coeffs.exact_codes``) read back exactly what ``Coeffs.joined``
+    gives, each row scaled by its own state's channel scales, ones for a state without them; the table
+    of scales is counted in the kept bytes."""
+    dk, dv = _devs(30)
+    dk[..., :2] *= 30.0
+    rows = torch.arange(0, 60, 2)
+    with_channels = compress(dk[:, :, :12], dv[:, :, :12], rows[:12], 4, Format(torch.int8, value_bits=bits, key_bits=bits))
+    other = compress(dk[:, :, 12:] * 2, dv[:, :, 12:], rows[12:], 4, Format(torch.int8, value_bits=bits, key_bits=bits))
+    no_channels = with_channels.value_coeffs()
+    assert with_channels.key_coeffs().channel is not None and no_channels.channel is None
+    for us in ([with_channels.key_coeffs(), other.key_coeffs()], [with_channels.key_coeffs(), no_channels],
+               [no_channels, other.value_coeffs()]):
+        for layer in range(L):
+            kept = Coeffs.exact_codes(us, layer)
+            assert torch.equal(kept.read(torch.float32), Coeffs.joined(us, layer, torch.float32))
+            assert (kept.channels is None) == all(u.channel is None for u in us)
+            extra = 0
+            if kept.channels is not None:
+                assert kept.row_state.numel() == kept.codes.shape[1] == sum(u.num_rows for u in us)
+                extra = kept.channels.numel() * kept.channels.element_size() + 4 * kept.row_state.numel()
+            assert kept.nbytes == kept.codes.numel() + kept.scale.numel() * kept.scale.element_size() + extra
