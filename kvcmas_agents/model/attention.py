@@ -7,10 +7,10 @@ import torch.nn.functional as F
 
 
 
-# Up to this many queries on CPU, attention runs as grouped matmuls. They were chosen against SDPA's
-# math path (3-D inputs, see _sdpa); against the fused kernel they are even for one query and slower
-# for 4-64 (docs/speed.md), so this branch is a candidate for removal once a bench confirms it.
-SMALL_QUERY = 64
+# Up to this many queries on CPU, attention runs as grouped matmuls: against PyTorch's fused kernel they
+# are even up to 8 queries over a 2,000-token context and slower beyond (16: 0.74 against 0.66 ms a
+# layer, 47: 3.7 against 1.7; docs/speed.md), which a turn's tail of a few dozen tokens pays in every layer.
+SMALL_QUERY = 8
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

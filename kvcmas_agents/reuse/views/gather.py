@@ -177,11 +177,28 @@ def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
 def _dense(us: list[Coeffs], bases: list[Basis], spans: list[tuple[int, int]], layer: int,
            dtype: torch.dtype) -> torch.Tensor:
     """Corrected rows U . B [R, KVH, D] of several groups: U's rows spans[i] have bases[i]."""
-    u = Coeffs.joined(us, layer, dtype)                                           # [KVH, R, r]
+    return _dense_of(Coeffs.joined(us, layer, dtype), bases, spans, layer, dtype)
+
+
+def _dense_of(u: torch.Tensor, bases: list[Basis], spans: list[tuple[int, int]], layer: int,
+              dtype: torch.dtype) -> torch.Tensor:
+    """``_dense`` given U [KVH, R, r] already read."""
     if all(b.plain_identity for b in bases):
         return u.transpose(0, 1)
     b = Basis.stacked(bases, layer, dtype)                                        # [NB, KVH, r, D]
     return torch.cat([u[:, a:e] @ b[i] for i, (a, e) in enumerate(spans)], dim=1).transpose(0, 1)
+
+
+def _stack_dense(st: Stack, side: int, active: int, layer: int, dtype: torch.dtype, keep: bool) -> torch.Tensor:
+    """One side's corrected rows of a stack's leading ``active`` groups (side 0 keys, 2 values). A view kept
+    for its request reads its kept codes (the tail's prefill unpacks them once for the decode after it)."""
+    gs = st.groups[:active]
+    bases, spans = [g[side + 1] for g in gs], st.spans(active)
+    if keep and KEEP_CODES:
+        u, m = st.coefficients(side, active, layer, dtype, True)
+        if m is None:
+            return _dense_of(u, bases, spans, layer, dtype)
+    return _dense([u for g in gs for u in g[side]], bases, spans, layer, dtype)
 
 
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -198,10 +215,9 @@ def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor
         for st in view.stacks:
             active = st.active(layer)
             if active:
-                spans, gs = st.spans(active), st.groups[:active]
                 rows.append(st.rows[:st.ends[active - 1]])
-                dk.append(_dense([u for g in gs for u in g[0]], [g[1] for g in gs], spans, layer, k.dtype))
-                dv.append(_dense([u for g in gs for u in g[2]], [g[3] for g in gs], spans, layer, v.dtype))
+                dk.append(_stack_dense(st, 0, active, layer, k.dtype, view.keep))
+                dv.append(_stack_dense(st, 2, active, layer, v.dtype, view.keep))
         idx = torch.cat(rows)
         k.index_add_(0, idx, torch.cat(dk))
         v.index_add_(0, idx, torch.cat(dv))

@@ -291,6 +291,19 @@ def test_a_kept_view_unpacks_each_layers_codes_once_and_reads_the_same(monkeypat
             first = len(unpacks)
     # every layer unpacked in the first step, none again later
     assert set(unpacks) == set(range(layers)) and len(unpacks) == first == sum(len(st.unpacked) for st in kept.stacks)
+    # a tail longer than LOWRANK_QUERY (the request's prefill) builds dense rows from the same kept codes,
+    # bitwise what unpacking gives, and unpacks nothing again
+    tail = OwnPiece(torch.arange(250, 262), torch.arange(68, 80))
+    q = torch.randn(12, kv_heads * group, head_dim)
+    joins: list[str] = []
+    joined = lowrank.Coeffs.joined
+    monkeypatch.setattr(lowrank.Coeffs, "joined", staticmethod(lambda *a, **kw: joins.append("") or joined(*a, **kw)))
+    for layer in range(layers):
+        a = gathered_attention(q, once.extend(tail.slots), k_cache, v_cache, layer, head_dim ** -0.5)
+        unpacked_once, joins[:] = len(joins), []
+        b = gathered_attention(q, kept.extend(tail.slots), k_cache, v_cache, layer, head_dim ** -0.5)
+        assert torch.equal(a, b) and unpacked_once > 0 and not joins
+    assert len(unpacks) == first
     values = [k.codes for st in kept.stacks for k in st.unpacked.values()]
     assert values and all(c.dtype == torch.int8 for c in values)
     assert all((k.scale is not None) == rows_format for st in kept.stacks for k in st.unpacked.values())
