@@ -52,21 +52,30 @@ class Stack:
 
     def coefficients(self, side: int, groups: int, layer: int, dtype: torch.dtype,
                      keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The leading ``groups`` groups' U of one side for the low-rank terms (``_coefficients``). With
-        ``keep``, the packed 6- and 4-bit codes are unpacked once per layer and kept as int8 (with quantized
-        rows' scales), so each later decode step over the same view casts them instead of unpacking them
-        again, which took a third of a decode step on CPU. The kept bytes count as the request's state."""
-        us = [u for g in self.groups[:groups] for u in g[side]]
-        if not (keep and KEEP_CODES):
-            return _coefficients(us, layer, dtype)
+        """The leading ``groups`` groups' U of one side for the low-rank terms (``_coefficients``), read
+        from their kept codes when ``keep`` (``kept``)."""
+        kept = self.kept(side, groups, layer) if keep and KEEP_CODES else None
+        if kept is None:
+            return _coefficients(self.coeffs(side, groups), layer, dtype)
+        return kept.read(dtype), None
+
+    def kept(self, side: int, groups: int, layer: int) -> KeptCodes | None:
+        """The leading ``groups`` groups' U of one side, its packed 6- and 4-bit codes unpacked once per
+        layer and kept as int8 (with quantized rows' scales), so each later decode step over the same view
+        casts them instead of unpacking them again, which took a third of a decode step on CPU. The kept
+        bytes count as the request's state. None for codes that cannot be kept (float factors, states
+        that leave the layer out)."""
         key = (side, groups, layer)
         kept = self.unpacked.get(key)
         if kept is None:
-            kept = Coeffs.exact_codes(us, layer)
-            if kept is None:
-                return _coefficients(us, layer, dtype)
-            self.unpacked[key] = kept
-        return kept.read(dtype), None
+            kept = Coeffs.exact_codes(self.coeffs(side, groups), layer)
+            if kept is not None:
+                self.unpacked[key] = kept
+        return kept
+
+    def coeffs(self, side: int, groups: int) -> list[Coeffs]:
+        """The leading ``groups`` groups' U factors of one side (0 keys, 2 values), group by group."""
+        return [u for g in self.groups[:groups] for u in g[side]]
 
     def kept_bytes(self) -> int:
         return sum(k.nbytes for k in self.unpacked.values())
@@ -174,31 +183,17 @@ def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
     return id(b) if b is not None else ("identity", u.shape[-1], u.dtype)
 
 
-def _dense(us: list[Coeffs], bases: list[Basis], spans: list[tuple[int, int]], layer: int,
-           dtype: torch.dtype) -> torch.Tensor:
-    """Corrected rows U . B [R, KVH, D] of several groups: U's rows spans[i] have bases[i]."""
-    return _dense_of(Coeffs.joined(us, layer, dtype), bases, spans, layer, dtype)
-
-
-def _dense_of(u: torch.Tensor, bases: list[Basis], spans: list[tuple[int, int]], layer: int,
-              dtype: torch.dtype) -> torch.Tensor:
-    """``_dense`` given U [KVH, R, r] already read."""
+def _stack_dense(st: Stack, side: int, active: int, layer: int, dtype: torch.dtype, keep: bool) -> torch.Tensor:
+    """Corrected rows U . B [R, KVH, D] of one side of a stack's leading ``active`` groups (side 0 keys,
+    2 values; U's rows spans[i] have the i-th group's basis). A view kept for its request reads its kept
+    codes (the tail's prefill unpacks them once for the decode after it)."""
+    bases, spans = [g[side + 1] for g in st.groups[:active]], st.spans(active)
+    kept = st.kept(side, active, layer) if keep and KEEP_CODES else None
+    u = kept.read(dtype) if kept is not None else Coeffs.joined(st.coeffs(side, active), layer, dtype)
     if all(b.plain_identity for b in bases):
         return u.transpose(0, 1)
     b = Basis.stacked(bases, layer, dtype)                                        # [NB, KVH, r, D]
     return torch.cat([u[:, a:e] @ b[i] for i, (a, e) in enumerate(spans)], dim=1).transpose(0, 1)
-
-
-def _stack_dense(st: Stack, side: int, active: int, layer: int, dtype: torch.dtype, keep: bool) -> torch.Tensor:
-    """One side's corrected rows of a stack's leading ``active`` groups (side 0 keys, 2 values). A view kept
-    for its request reads its kept codes (the tail's prefill unpacks them once for the decode after it)."""
-    gs = st.groups[:active]
-    bases, spans = [g[side + 1] for g in gs], st.spans(active)
-    if keep and KEEP_CODES:
-        u, m = st.coefficients(side, active, layer, dtype, True)
-        if m is None:
-            return _dense_of(u, bases, spans, layer, dtype)
-    return _dense([u for g in gs for u in g[side]], bases, spans, layer, dtype)
 
 
 def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
