@@ -22,7 +22,7 @@ import asyncio
 import json
 import statistics
 
-from benchmarks.turn_time import LATER, LEAD, prompt
+from benchmarks.turn_time import LATER, lead_history, prompt
 from kvcmas_agents import KVCMASConfig
 from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.reuse.views import gather
@@ -34,9 +34,8 @@ VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-unkept":
 async def _engine(mode: str, knobs: dict) -> Engine:
     engine = Engine(EngineConfig(reuse=mode, kvcmas=KVCMASConfig(prefetch="off", **knobs)))
     agent, handoff = next(iter(LATER.items()))
-    one = SamplingParams(max_tokens=1)
-    await engine.generate(prompt(LEAD, "planner: summarize the plan in one sentence."), agent=LEAD, sampling=one)
-    await engine.generate(prompt(agent, handoff), agent=agent, sampling=one)
+    await lead_history(engine)
+    await engine.generate(prompt(agent, handoff), agent=agent, sampling=SamplingParams(max_tokens=1))
     return engine
 
 

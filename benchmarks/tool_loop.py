@@ -20,14 +20,13 @@ import asyncio
 import json
 import statistics
 
-from benchmarks.turn_time import LATER, LEAD, prompt
+from benchmarks.turn_time import FIRST, LATER, lead_history, prompt
 from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.fidelity import kl
 
 MODES = ("prefix", "kvcmas")
 TOOL_RESULTS = ["tool result: 12 of 14 tests passed; failing: test_touching_intervals, test_unsorted_input.",
                 "tool result: all 14 tests passed in 0.03 s.", "tool result: coverage 96%, lines 41-42 not run."]
-FIRST = SamplingParams(max_tokens=1, return_logits=True)
 
 
 async def one_round(mode: str, reply: int, turns: int, forced: list[int] | None) -> tuple[list[dict], list[int]]:
@@ -35,7 +34,7 @@ async def one_round(mode: str, reply: int, turns: int, forced: list[int] | None)
     engine = Engine(EngineConfig(reuse=mode))
     agent, handoff = next(iter(LATER.items()))
     try:
-        await engine.generate(prompt(LEAD, "planner: summarize the plan in one sentence."), agent=LEAD, sampling=FIRST)
+        await lead_history(engine)
         messages = prompt(agent, handoff)
         sampling = SamplingParams(max_tokens=reply, ignore_eos=True, forced_tokens=forced)
         first = await engine.generate(messages, agent=agent, sampling=sampling)

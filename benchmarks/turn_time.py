@@ -147,11 +147,16 @@ def prompt(agent: str, handoff: str | None) -> list[dict[str, str]]:
     return msgs
 
 
+async def lead_history(engine: Engine) -> None:
+    """The lead agent computes the shared history (its first token), so later agents can reuse it."""
+    await engine.generate(prompt(LEAD, "planner: summarize the plan in one sentence."), agent=LEAD, sampling=FIRST)
+
+
 async def one_round(mode: str, kvcmas: KVCMASConfig) -> dict[str, dict]:
     """A fresh engine: the lead computes the history, then each later agent's first token."""
     engine = Engine(EngineConfig(reuse=mode, kvcmas=kvcmas))
     try:
-        await engine.generate(prompt(LEAD, "planner: summarize the plan in one sentence."), agent=LEAD, sampling=FIRST)
+        await lead_history(engine)
         outs = {}
         for agent, handoff in LATER.items():
             out = await engine.generate(prompt(agent, handoff), agent=agent, sampling=FIRST)

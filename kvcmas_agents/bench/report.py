@@ -67,8 +67,7 @@ def work_table(entry: dict[str, Any]) -> str:
     """Where each replay's time went, with the prompt tokens it computed: on a CPU ahead-of-time work
     shares the cores with decode, so the replay is faster than prefix's only if its turns and its
     ahead-of-time corrections together compute less than prefix prefills."""
-    rows = [(m["label"], m) for m in entry["methods"].values()]
-    rows += [(f"{m['label']}, undeclared", m) for m in entry.get("undeclared", {}).values()]
+    rows = _replays(entry)
     lines = ["| method | replay s | tokens computed (prefilled + recomputed at turn time + ahead of time) | "
              "first tokens s | ahead-of-time s | decode and the rest s |", "|---|---|---|---|---|---|"]
     for label, m in rows:
@@ -78,6 +77,12 @@ def work_table(entry: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _replays(entry: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, replay) of every method's declared replay, then of its undeclared one."""
+    return ([(m["label"], m) for m in entry["methods"].values()]
+            + [(f"{m['label']}, undeclared", m) for m in entry.get("undeclared", {}).values()])
+
+
 PHASE_COLUMNS = ("queue", "ahead", "plan", "select", "recompute", "compress", "correct", "forward", "other")
 
 
@@ -85,8 +90,7 @@ def phase_table(entry: dict[str, Any]) -> str:
     """Where a later turn's TTFT goes, mean ms by phase (RequestOutput.timings): queue (waiting for
     admission), ahead (queued ahead-of-time work run before admission), plan, the correction's select /
     recompute / compress and the rest of it, forward (engine steps carrying the request), other."""
-    rows = [(m["label"], m) for m in entry["methods"].values()]
-    rows += [(f"{m['label']}, undeclared", m) for m in entry.get("undeclared", {}).values()]
+    rows = _replays(entry)
     lines = ["| method | TTFT ms | " + " | ".join(PHASE_COLUMNS) + " |", "|---" * (len(PHASE_COLUMNS) + 2) + "|"]
     for label, m in rows:
         ph = m.get("ttft_phases", {})
