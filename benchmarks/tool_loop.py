@@ -2,8 +2,8 @@
 shared history.
 
 A lead agent computes the turn_time benchmark's shared history (about 1,600 tokens); a second agent,
-with its own system prompt, reads it with a hand-off and replies (``reply`` tokens, the same tokens in
-every mode: prefix's greedy reply, teacher-forced elsewhere). Then the same agent takes ``turns`` more
+with its own system prompt, reads it with a hand-off and replies (up to ``reply`` tokens, to its stop
+token; the same tokens in every mode: prefix's greedy reply, teacher-forced elsewhere). Then the same agent takes ``turns`` more
 turns, each its whole previous prompt plus its reply (or a short acknowledgement) and a tool result, as
 a LangGraph ReAct agent or an AutoGen assistant with tools sends them. Modes alternate per round on
 fresh engines, so the ratios are side by side.
@@ -36,17 +36,21 @@ async def one_round(mode: str, reply: int, turns: int, forced: list[int] | None)
     try:
         await lead_history(engine)
         messages = prompt(agent, handoff)
-        sampling = SamplingParams(max_tokens=reply, ignore_eos=True, forced_tokens=forced)
-        first = await engine.generate(messages, agent=agent, sampling=sampling)
+        # The reply ends at its stop token, as a real one does (decoded past it, its text would hold
+        # special tokens that the next prompt does not re-encode).
+        first = await engine.generate(messages, agent=agent,
+                                      sampling=SamplingParams(max_tokens=reply, forced_tokens=forced))
         rows = [_row(first)]
         text = first.text
+        ids = first.token_ids + ([engine.tokenizer.convert_tokens_to_ids(first.stop_reason)]
+                                 if first.finish_reason == "stop" else [])
         for i in range(turns):
             messages = messages + [{"role": "assistant", "content": text},
                                    {"role": "user", "content": TOOL_RESULTS[i % len(TOOL_RESULTS)]}]
             out = await engine.generate(messages, agent=agent, sampling=FIRST)
             rows.append(_row(out))
-            text = "Noted; running the next check."
-        return rows, first.token_ids
+            text = f"Noted; running check {i + 2}."     # each its own text: a repeat would be reused
+        return rows, ids
     finally:
         await engine.aclose()
 
