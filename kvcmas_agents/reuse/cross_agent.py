@@ -19,7 +19,7 @@ from .base import ReuseMethod, ReuseRequest
 from .pieces import ReusePiece
 from .recompute import LayerHook, recompute
 from .registry import register
-from .segments import context_key
+from .segments import HomeView, context_key
 from .views import build_view
 from .views.gather import GatheredView, build_gathered, gathered_kv
 from .views.reference import OwnPiece, SegmentPiece
@@ -47,7 +47,7 @@ class CrossAgentMethod(ReuseMethod):
         segs = [s for s in req.prompt.segments if s.kind != "suffix" and s.length > 0]
         pieces: list[ReusePiece] = []
         own_prefix_end = 0
-        parts = (part for seg in segs for part in self._parts(ids, seg.start, seg.end, req.arrival))
+        parts = (part for seg in segs for part in self._parts(ids, seg.start, seg.end, req.arrival, agent))
         for start, end, home, frame in parts:
             ctx = context_key(agent, ids, start)
             if home is None:
@@ -79,15 +79,25 @@ class CrossAgentMethod(ReuseMethod):
         """Decide how a piece reused from another context is served; naive reuse leaves it as it is
         (realigned, uncorrected)."""
 
-    def _parts(self, ids: list[int], start: int, end: int, arrival: float) -> list[tuple[int, int, Any, bool]]:
+    def _parts(self, ids: list[int], start: int, end: int, arrival: float,
+               agent: str) -> list[tuple[int, int, Any, bool]]:
         """A message segment as (start, end, home, frame) parts: the whole segment's home view; else a
-        decoded reply found inside it, between header and trailer (frame) parts; else new text.
+        decoded reply found inside it, between header and trailer (frame) parts; else new text. First,
+        the agent's own home at the same place (``SegmentStore.register_own``): its reply with the
+        generation prompt it was decoded from (``on_finish``), then followed by the trailer as a frame,
+        or the whole message once a request computed that trailer (``on_computed``); so a tool loop's
+        next turns recompute no header or trailer, even of a reply that repeats an earlier one.
 
         Only home views registered before the request arrived count, so what a request reuses does not
         depend on when the worker admits it: concurrent siblings (a fan-out) each compute the new text
         they share, as when admitted in one step, instead of reusing whichever one ran first."""
         segments = self.ctx.segments
         tokens = tuple(ids[start:end])
+        own = segments.lookup_own(tokens, agent, start, context_key(agent, ids, start), arrival)
+        if own is not None and len(tokens) - len(own.key) <= MAX_FRAME:
+            mid = start + len(own.key)
+            return [(start, mid, own, False)] + ([(mid, end, segments.lookup(tokens[mid - start:], arrival), True)]
+                                                 if mid < end else [])
         home = segments.lookup(tokens, arrival)
         if home is not None:
             return [(start, end, home, False)]
@@ -238,6 +248,27 @@ class CrossAgentMethod(ReuseMethod):
         for start, end in spans:
             self.ctx.segments.register(tuple(ids[start:end]), req.agent, start, context_key(req.agent, ids, start),
                                        req.blocks)
+        for seg in req.prompt.segments:
+            exact = self._held_exactly(req, seg.start, seg.end) if seg.kind != "suffix" else None
+            if exact:
+                self.ctx.segments.register_own(tuple(ids[seg.start:seg.end]), req.agent, seg.start,
+                                               context_key(req.agent, ids, seg.start), req.blocks, exact)
+
+    @staticmethod
+    def _held_exactly(req: ReuseRequest, start: int, end: int) -> list[tuple[int, int, HomeView]] | None:
+        """The exact pieces [a, b) (with their homes) of a segment the request holds exactly in parts:
+        some of it read exactly from home views, the rest computed by the request. None when part of it
+        is reused from another context, or it is one home view already, or all the request's own."""
+        exact = []
+        for p in req.pieces:
+            if p.end <= start or p.start >= end or p.home is None:
+                continue
+            if not p.exact or p.private:
+                return None
+            exact.append((max(p.start, start), min(p.end, end), p.home))
+        if not exact or (len(exact) == 1 and exact[0][:2] == (start, end)):
+            return None
+        return exact
 
     def on_finish(self, req: ReuseRequest, reason: str) -> None:
         """A finished reply's generated tokens with KV become a home view (its decode's own KV)."""
@@ -245,9 +276,16 @@ class CrossAgentMethod(ReuseMethod):
             return
         begin, store = len(req.prompt_ids), self.ctx.store
         n = req.num_computed - begin              # the last sampled token was never fed: no KV
-        if n > 0 and req.blocks and min(req.blocks[begin // store.block_size:], default=0) >= 0:
-            self.ctx.segments.register_decoded(tuple(req.output_ids[:n]), req.agent, begin,
-                                               context_key(req.agent, req.all_ids, begin), req.blocks)
+        last = req.prompt.segments[-1] if req.prompt.segments else None
+        g = last.start if last is not None and last.kind == "suffix" and last.end == begin else begin
+        if n <= 0 or not req.blocks or min(req.blocks[g // store.block_size:], default=0) < 0:
+            return
+        segments, ids = self.ctx.segments, req.all_ids
+        reply = segments.register_decoded(tuple(ids[begin:begin + n]), req.agent, begin,
+                                          context_key(req.agent, ids, begin), req.blocks)
+        # With the generation prompt, as the agent's own next message renders it (``_parts``).
+        segments.register_own(tuple(ids[g:begin + n]), req.agent, g, context_key(req.agent, ids, g), req.blocks,
+                              [(begin, begin + n, reply)] if reply is not None else [])
 
 
 @register

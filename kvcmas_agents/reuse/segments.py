@@ -38,6 +38,7 @@ class HomeView:
     blocks: list[int]           # blocks holding those slots (one reference each)
     users: int = 0              # running requests reading it (pinned while > 0)
     decoded: bool = False       # KV from the generating agent's decode, matched inside message segments
+    own: bool = False           # read only by its agent, exactly, at the same place (``register_own``)
     born: float = field(default_factory=time.perf_counter)    # when it was registered
 
 
@@ -72,7 +73,9 @@ class SegmentStats:
 class SegmentStore:
     def __init__(self, store: KVStore):
         self.store = store
-        self._homes: OrderedDict[tuple[int, ...], HomeView] = OrderedDict()
+        # By tokens; an agent's own homes by ("own", agent, start, context, length) (``register_own``).
+        self._homes: OrderedDict[tuple, HomeView] = OrderedDict()
+        self._own_at: dict[tuple[str, int, int], list[HomeView]] = {}      # (agent, start, context) -> own homes
         # Least recently used first: corrections are dropped in that order when the KV budget needs room.
         self._corrections: OrderedDict[tuple[str, tuple[int, ...], int, int], Correction] = OrderedDict()
         self.corrections_evicted = 0
@@ -99,6 +102,47 @@ class SegmentStore:
         home = HomeView(tokens, agent, start, context, slots, held)
         self._homes[tokens] = home
         return home
+
+    def register_own(self, tokens: tuple[int, ...], agent: str, start: int, context: int, blocks: list[int],
+                     exact: list[tuple[int, int, HomeView]]) -> HomeView | None:
+        """Keep KV an agent holds exactly, but from several places, as one home that only this agent reads,
+        exactly, at the same place after the same context: a reply with the generation prompt it was
+        decoded from, a message of a reused reply and its computed trailer. ``exact`` lists the spans
+        [a, b) read from home views at delta 0 (their slots are shared); the rest is in ``blocks``
+        (packed like any home's)."""
+        key = ("own", agent, start, context, len(tokens))
+        if not tokens or key in self._homes:
+            return None
+        slots, held, at = [], [], start
+        for a, b, home in exact + [(start + len(tokens), start + len(tokens), None)]:
+            if a > at:
+                own, blks = self.packer.place(blocks, at, a)       # one reference taken per block listed
+                slots.append(own)
+                held += blks
+            if home is not None:
+                part = home.slots[a - home.start:b - home.start]
+                slots.append(part)
+                for x in (int(x) for x in (part // self.store.block_size).unique()):
+                    self.store.incref(x)
+                    held.append(x)
+            at = b
+        home = HomeView(tokens, agent, start, context, torch.cat(slots), held, own=True)
+        self._homes[key] = home
+        self._own_at.setdefault((agent, start, context), []).append(home)
+        return home
+
+    def lookup_own(self, tokens: tuple[int, ...], agent: str, start: int, context: int,
+                   before: float = float("inf")) -> HomeView | None:
+        """The agent's longest own home (``register_own``) at ``start`` after ``context`` whose tokens
+        begin ``tokens``."""
+        best = None
+        for home in self._own_at.get((agent, start, context), ()):
+            n = len(home.key)
+            if home.born <= before and tokens[:n] == home.key and (best is None or n > len(best.key)):
+                best = home
+        if best is not None:
+            self._homes.move_to_end(("own", agent, start, context, len(best.key)))
+        return best
 
     def register_decoded(self, tokens: tuple[int, ...], agent: str, start: int, context: int,
                          blocks: list[int]) -> HomeView | None:
@@ -168,13 +212,13 @@ class SegmentStore:
             if home.users == 0:
                 del self._homes[key]
                 if home.decoded:
-                    self._decoded[key[:DECODE_KEY]].remove(home)
-                    if not self._decoded[key[:DECODE_KEY]]:
-                        del self._decoded[key[:DECODE_KEY]]
+                    _unindex(self._decoded, key[:DECODE_KEY], home)
+                if home.own:
+                    _unindex(self._own_at, (home.agent, home.start, home.context), home)
                 for b in home.blocks:
                     self.store.decref(b, cached=self.is_cached(b))
                     self.packer.released(b)
-                for ck in [ck for ck in self._corrections if ck[1] == key]:
+                for ck in [ck for ck in self._corrections if not home.own and ck[1] == key]:
                     del self._corrections[ck]
                     self._bytes = None
                 self.evicted += 1
@@ -192,7 +236,7 @@ class SegmentStore:
         return [d for c in list(self._corrections.values()) for d in c.chain]
 
     def stats(self) -> SegmentStats:
-        s = SegmentStats(homes=len(self._homes), home_tokens=sum(len(k) for k in self._homes),
+        s = SegmentStats(homes=len(self._homes), home_tokens=sum(len(h.key) for h in list(self._homes.values())),
                          corrections=len(self._corrections), correction_bytes=self.correction_bytes,
                          basis_bytes=unique_nbytes(self._held(), bases_only=True), evicted=self.evicted)
         held = list(self._corrections.values())
@@ -211,3 +255,9 @@ class SegmentStore:
     @property
     def home_blocks(self) -> set[int]:
         return {b for h in self._homes.values() for b in h.blocks}
+
+
+def _unindex(index: dict, key: tuple, home: HomeView) -> None:
+    index[key].remove(home)
+    if not index[key]:
+        del index[key]

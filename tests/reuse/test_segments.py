@@ -51,6 +51,49 @@ def test_evicting_a_decoded_home_removes_it_from_the_search():
     assert seg.store.stats().blocks_active == 0          # its blocks went back with it
 
 
+def test_a_reply_with_its_generation_prompt_shares_the_replys_slots_and_holds_its_own_references():
+    seg = _store()
+    blocks = _blocks(seg, 8)
+    prompt, reply = (1, 2, 3), tuple(range(100, 112))
+    home = seg.register_decoded(reply, "coder", start=9, context=1, blocks=blocks)
+    own = seg.register_own(prompt + reply, "coder", 6, 7, blocks, [(9, 21, home)])
+    assert torch.equal(own.slots[3:], home.slots)                    # one copy of the reply's KV
+    message = prompt + reply + (8, 9)                                  # + a trailer
+    assert seg.lookup_own(message, "coder", 6, 7) is own              # the longest own home it begins with
+    assert seg.find_decoded((5,) + message) == (4, home)              # other agents still find the reply
+    seg.lookup_own(message, "coder", 6, 7)                             # (most recently used)
+    for b in blocks:
+        seg.store.decref(b, cached=False)
+    assert seg.evict_one() and seg.find_decoded(message) is None       # the reply went first (LRU)
+    assert seg.lookup_own(message, "coder", 6, 7) is own and seg.store.stats().blocks_active > 0
+    assert seg.evict_one() and seg.store.stats().blocks_active == 0    # each held its own references
+    assert seg.lookup_own(message, "coder", 6, 7) is None
+
+
+def test_an_agents_own_home_joins_exact_homes_and_its_own_blocks_and_only_it_finds_it():
+    seg = _store()
+    blocks = _blocks(seg, 8)
+    seg.store.k.copy_(torch.randn_like(seg.store.k))
+    header_reply = seg.register(tuple(range(100, 110)), "coder", 4, 1, blocks)    # positions [4, 14)
+    message = tuple(range(100, 110)) + (7, 8)                                    # + a trailer [14, 16)
+    part = seg.register_own(message[:10], "coder", 4, 1, blocks, [(4, 14, header_reply)])
+    own = seg.register_own(message, "coder", 4, 1, blocks, [(4, 14, header_reply)])
+    assert own is not None and own.own and own.slots.numel() == len(message) and part is not None
+    assert torch.equal(own.slots[:10], header_reply.slots)
+    trailer = seg.store.k[:, own.slots[10:]]                           # the request's own KV (packed)
+    assert torch.equal(trailer, seg.store.k[:, seg.store.slots(blocks, 14, 16)])
+    assert seg.lookup_own(message, "coder", 4, 1) is own and seg.lookup_own(message[:11], "coder", 4, 1) is part
+    assert seg.lookup(message) is None                                 # never offered to other agents
+    assert seg.lookup_own(message, "tester", 4, 1) is None and seg.lookup_own(message, "coder", 5, 1) is None
+    assert seg.lookup_own(message, "coder", 4, 2) is None and seg.lookup_own(message[:9], "coder", 4, 1) is None
+    assert seg.register_own(message, "coder", 4, 1, blocks, [(4, 14, header_reply)]) is None
+    for b in blocks:
+        seg.store.decref(b, cached=False)
+    while seg.evict_one():
+        pass
+    assert seg.store.stats().blocks_active == 0                        # every reference went back
+
+
 def test_homes_registered_after_a_request_arrived_are_not_offered_to_it():
     seg = _store()
     blocks = _blocks(seg, 8)

@@ -538,3 +538,32 @@ async def test_concurrent_siblings_compute_their_shared_new_text_and_prefill_tog
         assert max(prefills) >= 2, prefills
     finally:
         await engine.aclose()
+
+
+async def test_an_agents_tool_loop_reads_its_own_earlier_turns_exactly(engine):
+    """A ReAct loop: an agent's next turn is its previous prompt, its reply and a tool result. The
+    generation prompt and the reply decoded from it are one exact home, and once the reply's trailer
+    is computed the whole message is; so the next turn computes only the new text, with no correction
+    or recompute pass over the view."""
+    ours = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    try:
+        history = await conversation(engine, turns=2)
+        messages = prompt("reviewer", history)
+        out = await ours.generate(prompt("planner", history), agent="planner", sampling=FIRST)
+        outs = []
+        for i, result in enumerate(["tool: 3 tests failed", "tool: all 12 tests passed", "tool: lint clean"]):
+            out = await ours.generate(messages, agent="reviewer", sampling=SamplingParams(max_tokens=12))
+            outs.append(out)
+            messages = messages + [{"role": "assistant", "content": out.text},
+                                   {"role": "user", "content": f"{result} (run {i})"}]
+        first, *later = outs
+        assert first.usage.reused_tokens > 0 and "recompute" in first.timings
+        for prev, cur in zip(outs, later):
+            new = cur.usage.prompt_tokens - prev.usage.prompt_tokens - prev.usage.completion_tokens
+            computed = cur.usage.prompt_tokens - cur.usage.cached_tokens - cur.usage.reused_tokens
+            assert cur.usage.recomputed_tokens == 0 and "recompute" not in cur.timings
+            assert cur.usage.reused_tokens == first.usage.reused_tokens        # the history's corrections
+            assert computed <= new + 4        # the new text (and the reply's trailer), never the reply
+            assert cur.usage.cached_tokens >= prev.usage.prompt_tokens - prev.usage.reused_tokens
+    finally:
+        await ours.aclose()
