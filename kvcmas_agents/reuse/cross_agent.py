@@ -86,7 +86,7 @@ class CrossAgentMethod(ReuseMethod):
         the agent's own home at the same place (``SegmentStore.register_own``): its reply with the
         generation prompt it was decoded from (``on_finish``), then followed by the trailer as a frame,
         or the whole message once a request computed that trailer (``on_computed``); so a tool loop's
-        next turns recompute no header or trailer, even of a reply that repeats an earlier one.
+        next turns recompute no header or trailer.
 
         Only home views registered before the request arrived count, so what a request reuses does not
         depend on when the worker admits it: concurrent siblings (a fan-out) each compute the new text
@@ -283,9 +283,12 @@ class CrossAgentMethod(ReuseMethod):
         segments, ids = self.ctx.segments, req.all_ids
         reply = segments.register_decoded(tuple(ids[begin:begin + n]), req.agent, begin,
                                           context_key(req.agent, ids, begin), req.blocks)
-        # With the generation prompt, as the agent's own next message renders it (``_parts``).
-        segments.register_own(tuple(ids[g:begin + n]), req.agent, g, context_key(req.agent, ids, g), req.blocks,
-                              [(begin, begin + n, reply)] if reply is not None else [])
+        # With the generation prompt, as the agent's own next message renders it (``_parts``): sharing the
+        # reply's slots, it holds only the prompt's few packed slots more. A reply whose tokens already
+        # had a home keeps none (its own copy would be a second one).
+        if reply is not None and g < begin:
+            segments.register_own(tuple(ids[g:begin + n]), req.agent, g, context_key(req.agent, ids, g), req.blocks,
+                                  [(begin, begin + n, reply)])
 
 
 @register

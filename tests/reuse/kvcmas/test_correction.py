@@ -552,7 +552,8 @@ async def test_an_agents_tool_loop_reads_its_own_earlier_turns_exactly(engine):
         out = await ours.generate(prompt("planner", history), agent="planner", sampling=FIRST)
         outs = []
         for i, result in enumerate(["tool: 3 tests failed", "tool: all 12 tests passed", "tool: lint clean"]):
-            out = await ours.generate(messages, agent="reviewer", sampling=SamplingParams(max_tokens=12))
+            # (replies of different lengths: a reply that repeats an earlier one is corrected, not exact)
+            out = await ours.generate(messages, agent="reviewer", sampling=SamplingParams(max_tokens=10 + 2 * i))
             outs.append(out)
             messages = messages + [{"role": "assistant", "content": out.text},
                                    {"role": "user", "content": f"{result} (run {i})"}]
