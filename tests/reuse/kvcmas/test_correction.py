@@ -566,5 +566,11 @@ async def test_an_agents_tool_loop_reads_its_own_earlier_turns_exactly(engine):
             assert cur.usage.reused_tokens == first.usage.reused_tokens        # the history's corrections
             assert computed <= new + 4        # the new text (and the reply's trailer), never the reply
             assert cur.usage.cached_tokens >= prev.usage.prompt_tokens - prev.usage.reused_tokens
+        # The own homes are home views like the others: between requests only home views hold blocks.
+        stats = ours.stats()
+        assert stats["memory"]["blocks_in_use"] == len(ours.segments.home_blocks)
+        assert stats["memory"]["kv_bytes"] == stats["memory"]["home_view_bytes"] + stats["memory"]["kv_bytes_cached"]
+        ours.segments.clear()
+        assert ours.stats()["memory"]["blocks_in_use"] == 0                # each own home let its references go
     finally:
         await ours.aclose()
