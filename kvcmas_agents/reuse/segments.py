@@ -218,8 +218,8 @@ class SegmentStore:
                 for b in home.blocks:
                     self.store.decref(b, cached=self.is_cached(b))
                     self.packer.released(b)
-                for ck in [ck for ck in self._corrections if not home.own and ck[1] == key]:
-                    del self._corrections[ck]
+                for ck in [] if home.own else [ck for ck in self._corrections if ck[1] == key]:
+                    del self._corrections[ck]      # (own homes have none: they are read exactly)
                     self._bytes = None
                 self.evicted += 1
                 return True
