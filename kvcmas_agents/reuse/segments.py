@@ -73,7 +73,7 @@ class SegmentStats:
 class SegmentStore:
     def __init__(self, store: KVStore):
         self.store = store
-        # By tokens; an agent's own homes by ("own", agent, start, context, length) (``register_own``).
+        # By tokens; an agent's own homes by ("own", agent, start, context, tokens) (``register_own``).
         self._homes: OrderedDict[tuple, HomeView] = OrderedDict()
         self._own_at: dict[tuple[str, int, int], list[HomeView]] = {}      # (agent, start, context) -> own homes
         # Least recently used first: corrections are dropped in that order when the KV budget needs room.
@@ -110,7 +110,7 @@ class SegmentStore:
         decoded from, a message of a reused reply and its computed trailer. ``exact`` lists the spans
         [a, b) read from home views at delta 0 (their slots are shared); the rest is in ``blocks``
         (packed like any home's)."""
-        key = ("own", agent, start, context, len(tokens))
+        key = ("own", agent, start, context, tokens)
         if not tokens or key in self._homes:
             return None
         slots, held, at = [], [], start
@@ -133,15 +133,26 @@ class SegmentStore:
 
     def lookup_own(self, tokens: tuple[int, ...], agent: str, start: int, context: int,
                    before: float = float("inf")) -> HomeView | None:
-        """The agent's longest own home (``register_own``) at ``start`` after ``context`` whose tokens
-        begin ``tokens``."""
-        best = None
+        """The agent's own home (``register_own``) at ``start`` after ``context`` that shares the longest
+        leading run with ``tokens``: the whole home, or a slice of it (a home of its own, sharing its
+        slots) when only a run of at least MIN_DECODED tokens agrees. KV depends only on the tokens
+        before it, so that run is exact wherever the rest differs: a reply re-encoded from its text
+        (a tool call's closing braces merge into other tokens than the model emitted) keeps all but
+        its last few tokens."""
+        best, run = None, 0
         for home in self._own_at.get((agent, start, context), ()):
-            n = len(home.key)
-            if home.born <= before and tokens[:n] == home.key and (best is None or n > len(best.key)):
-                best = home
-        if best is not None:
-            self._homes.move_to_end(("own", agent, start, context, len(best.key)))
+            if home.born > before:
+                continue
+            n = _common_run(home.key, tokens)
+            if n > run or (n == run and best is not None and len(home.key) < len(best.key)):
+                best, run = home, n
+        if best is None or run < min(len(best.key), MIN_DECODED):
+            return None
+        self._homes.move_to_end(("own", agent, start, context, best.key))
+        if run < len(best.key):      # (a slice made since ``before``, by a request admitted meanwhile, is the same KV)
+            part = tokens[:run]
+            return self._homes.get(("own", agent, start, context, part)) \
+                or self.register_own(part, agent, start, context, [], [(start, start + run, best)])
         return best
 
     def register_decoded(self, tokens: tuple[int, ...], agent: str, start: int, context: int,
@@ -255,6 +266,14 @@ class SegmentStore:
     @property
     def home_blocks(self) -> set[int]:
         return {b for h in self._homes.values() for b in h.blocks}
+
+
+def _common_run(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens a and b share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 def _unindex(index: dict, key: tuple, home: HomeView) -> None:

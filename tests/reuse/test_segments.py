@@ -82,16 +82,38 @@ def test_an_agents_own_home_joins_exact_homes_and_its_own_blocks_and_only_it_fin
     assert torch.equal(own.slots[:10], header_reply.slots)
     trailer = seg.store.k[:, own.slots[10:]]                           # the request's own KV (packed)
     assert torch.equal(trailer, seg.store.k[:, seg.store.slots(blocks, 14, 16)])
-    assert seg.lookup_own(message, "coder", 4, 1) is own and seg.lookup_own(message[:11], "coder", 4, 1) is part
+    assert seg.lookup_own(message, "coder", 4, 1) is own
+    assert seg.lookup_own(message[:10] + (99,), "coder", 4, 1) is part       # a whole home before a slice
     assert seg.lookup(message) is None                                 # never offered to other agents
     assert seg.lookup_own(message, "tester", 4, 1) is None and seg.lookup_own(message, "coder", 5, 1) is None
-    assert seg.lookup_own(message, "coder", 4, 2) is None and seg.lookup_own(message[:9], "coder", 4, 1) is None
+    assert seg.lookup_own(message, "coder", 4, 2) is None
+    assert seg.lookup_own(message[:MIN_DECODED - 1], "coder", 4, 1) is None           # too short a run
     assert seg.register_own(message, "coder", 4, 1, blocks, [(4, 14, header_reply)]) is None
     for b in blocks:
         seg.store.decref(b, cached=False)
     while seg.evict_one():
         pass
     assert seg.store.stats().blocks_active == 0                        # every reference went back
+
+
+def test_an_own_home_whose_last_tokens_differ_serves_the_run_before_them_as_a_slice():
+    """A reply re-encoded from its text can end in other tokens than the model emitted (merged braces
+    of a tool call): the run before them is still exact, as a slice sharing the home's slots."""
+    seg = _store()
+    blocks = _blocks(seg, 8)
+    emitted = tuple(range(100, 120))
+    own = seg.register_own(emitted, "coder", 4, 1, blocks, [])
+    rendered = emitted[:16] + (7, 9)                                    # the last 4 tokens merged into 2
+    part = seg.lookup_own(rendered + (5,), "coder", 4, 1)
+    assert part is not None and part.own and part.key == emitted[:16] and part is not own
+    assert torch.equal(part.slots, own.slots[:16])
+    assert seg.lookup_own(rendered, "coder", 4, 1) is part                # made once, then found whole
+    assert seg.lookup_own(emitted[:MIN_DECODED - 1] + (7,), "coder", 4, 1) is None
+    for b in blocks:
+        seg.store.decref(b, cached=False)
+    while seg.evict_one():
+        pass
+    assert seg.store.stats().blocks_active == 0
 
 
 def test_homes_registered_after_a_request_arrived_are_not_offered_to_it():

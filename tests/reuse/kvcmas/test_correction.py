@@ -574,3 +574,30 @@ async def test_an_agents_tool_loop_reads_its_own_earlier_turns_exactly(engine):
         assert ours.stats()["memory"]["blocks_in_use"] == 0                # each own home let its references go
     finally:
         await ours.aclose()
+
+
+async def test_a_tool_call_re_encoded_from_its_parsed_form_is_still_read_exactly_up_to_where_it_differs():
+    """The next turn renders the assistant's tool call from its parsed form; its closing braces may
+    encode to other tokens than the model emitted. The run of tokens before them is exact KV of the
+    agent's own, so it is read, not computed again."""
+    tools = [{"type": "function", "function": {
+        "name": "run_tests", "description": "Run the test suite of a module and report failures.",
+        "parameters": {"type": "object", "properties": {"module": {"type": "string"}}, "required": ["module"]}}}]
+    ours = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    try:
+        messages = [{"role": "system", "content": "You are a tester. Use the tools to check code."},
+                    {"role": "user", "content": "Run the tests of module intervals and tell me what failed."}]
+        call = await ours.generate(messages, agent="tester", tools=tools, tool_choice="required",
+                                   sampling=SamplingParams(max_tokens=60))
+        assert call.finish_reason == "tool_calls"
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for c in call.tool_calls]
+        messages += [{"role": "assistant", "content": call.content, "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": calls[0]["id"], "content": "2 failed: touching, unsorted"}]
+        nxt = await ours.generate(messages, agent="tester", tools=tools, tool_choice="required", sampling=FIRST)
+        read = nxt.usage.cached_tokens + nxt.usage.reused_tokens
+        # the previous prompt and most of the call (its re-encoded end and trailer are computed)
+        assert read >= call.usage.prompt_tokens + call.usage.completion_tokens // 2
+        assert nxt.usage.recomputed_tokens == 0 and "recompute" not in nxt.timings
+    finally:
+        await ours.aclose()
