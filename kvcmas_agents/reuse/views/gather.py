@@ -53,11 +53,15 @@ class Stack:
     def coefficients(self, side: int, groups: int, layer: int, dtype: torch.dtype,
                      keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The leading ``groups`` groups' U of one side for the low-rank terms (``_coefficients``), read
-        from their kept codes when ``keep`` (``kept``)."""
+        from their kept codes when ``keep`` (``read_kept``)."""
+        u = self.read_kept(side, groups, layer, dtype, keep)
+        return (u, None) if u is not None else _coefficients(self.coeffs(side, groups), layer, dtype)
+
+    def read_kept(self, side: int, groups: int, layer: int, dtype: torch.dtype, keep: bool) -> torch.Tensor | None:
+        """U [KVH, R, r] of the leading ``groups`` groups of one side from their kept codes, for a view kept
+        for its request (``keep``); None when not kept or the codes cannot be kept."""
         kept = self.kept(side, groups, layer) if keep and KEEP_CODES else None
-        if kept is None:
-            return _coefficients(self.coeffs(side, groups), layer, dtype)
-        return kept.read(dtype), None
+        return kept.read(dtype) if kept is not None else None
 
     def kept(self, side: int, groups: int, layer: int) -> KeptCodes | None:
         """The leading ``groups`` groups' U of one side, its packed 6- and 4-bit codes unpacked once per
@@ -188,8 +192,9 @@ def _stack_dense(st: Stack, side: int, active: int, layer: int, dtype: torch.dty
     2 values; U's rows spans[i] have the i-th group's basis). A view kept for its request reads its kept
     codes (the tail's prefill unpacks them once for the decode after it)."""
     bases, spans = [g[side + 1] for g in st.groups[:active]], st.spans(active)
-    kept = st.kept(side, active, layer) if keep and KEEP_CODES else None
-    u = kept.read(dtype) if kept is not None else Coeffs.joined(st.coeffs(side, active), layer, dtype)
+    u = st.read_kept(side, active, layer, dtype, keep)
+    if u is None:
+        u = Coeffs.joined(st.coeffs(side, active), layer, dtype)
     if all(b.plain_identity for b in bases):
         return u.transpose(0, 1)
     b = Basis.stacked(bases, layer, dtype)                                        # [NB, KVH, r, D]
