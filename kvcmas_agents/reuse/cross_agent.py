@@ -47,9 +47,16 @@ class CrossAgentMethod(ReuseMethod):
         segs = [s for s in req.prompt.segments if s.kind != "suffix" and s.length > 0]
         pieces: list[ReusePiece] = []
         own_prefix_end = 0
-        parts = (part for seg in segs for part in self._parts(ids, seg.start, seg.end, req.arrival, agent))
+        contexts: dict[int, int] = {}          # context_key by start: a hash over the prompt up to it
+
+        def context(start: int) -> int:
+            if start not in contexts:
+                contexts[start] = context_key(agent, ids, start)
+            return contexts[start]
+        parts = (part for seg in segs
+                 for part in self._parts(ids, seg.start, seg.end, req.arrival, agent, context(seg.start)))
         for start, end, home, frame in parts:
-            ctx = context_key(agent, ids, start)
+            ctx = context(start)
             if home is None:
                 if not pieces:
                     own_prefix_end = end           # e.g. this agent's new system prompt
@@ -79,12 +86,13 @@ class CrossAgentMethod(ReuseMethod):
         """Decide how a piece reused from another context is served; naive reuse leaves it as it is
         (realigned, uncorrected)."""
 
-    def _parts(self, ids: list[int], start: int, end: int, arrival: float,
-               agent: str) -> list[tuple[int, int, Any, bool]]:
+    def _parts(self, ids: list[int], start: int, end: int, arrival: float, agent: str,
+               context: int) -> list[tuple[int, int, Any, bool]]:
         """A message segment as (start, end, home, frame) parts: the whole segment's home view; else a
         decoded reply found inside it, between header and trailer (frame) parts; else new text. First,
-        the agent's own home at the same place (``SegmentStore.register_own``): its reply with the
-        generation prompt it was decoded from (``on_finish``), then followed by the trailer as a frame,
+        the agent's own home at the same place after ``context`` (the segment start's context_key;
+        ``SegmentStore.register_own``): its reply with the generation prompt it was decoded from
+        (``on_finish``), then followed by the trailer as a frame,
         or the whole message once a request computed that trailer (``on_computed``); so a tool loop's
         next turns recompute no header or trailer.
 
@@ -93,7 +101,7 @@ class CrossAgentMethod(ReuseMethod):
         they share, as when admitted in one step, instead of reusing whichever one ran first."""
         segments = self.ctx.segments
         tokens = tuple(ids[start:end])
-        own = segments.lookup_own(tokens, agent, start, context_key(agent, ids, start), arrival)
+        own = segments.lookup_own(tokens, agent, start, context, arrival)
         if own is not None and len(tokens) - len(own.key) <= MAX_FRAME:
             mid = start + len(own.key)
             return [(start, mid, own, False)] + ([(mid, end, segments.lookup(tokens[mid - start:], arrival), True)]
