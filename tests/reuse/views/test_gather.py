@@ -308,3 +308,50 @@ def test_a_kept_view_unpacks_each_layers_codes_once_and_reads_the_same(monkeypat
     assert values and all(c.dtype == torch.int8 for c in values)
     assert all((k.scale is not None) == rows_format for st in kept.stacks for k in st.unpacked.values())
     assert kept.kept_bytes() >= sum(c.numel() for c in values) > 0 and once.kept_bytes() == 0
+
+
+def test_a_kept_view_reads_each_layers_bases_once_and_attends_bitwise_the_same(monkeypatch):
+    """A view kept for a request's decode stacks, dequantizes and rotates its groups' bases once per
+    layer and side (``Stack.basis``) and keeps them: later decode steps read the same tensors and attend
+    bitwise as when the bases are stacked again every step; the kept bytes count them, and a view built
+    for one call keeps none."""
+    from dataclasses import replace
+
+    from kvcmas_agents.reuse.storage import lowrank
+
+    head_dim, kv_heads, group, layers = 64, 3, 3, 3
+    k_cache, v_cache, realigner, rows, dks = _three_segments(5, head_dim, kv_heads, layers)
+    states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, Format(torch.int8, int8_basis=True, u8=4))
+    states = [states[0], realigner.rotate_delta(states[1], 3), states[2]]   # a shifted state: B_k rotated on read
+    pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
+    for i, state in enumerate(states):
+        pieces.append(SegmentPiece(torch.arange(100 + 20 * i, 120 + 20 * i), torch.arange(8 + 20 * i, 28 + 20 * i),
+                                   5 - 4 * i, [state]))
+    once = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
+    kept = replace(build_gathered(pieces, realigner, torch.device("cpu"), torch.float32), keep=True)
+    again = replace(build_gathered(pieces, realigner, torch.device("cpu"), torch.float32), keep=True)
+    assert sum(len(st.groups) for st in kept.stacks) == 2          # the shifted state reads its own basis
+    stacked = lowrank.Basis.stacked
+    calls: list[int] = []
+    monkeypatch.setattr(lowrank.Basis, "stacked",
+                        staticmethod(lambda bases, layer, dtype=torch.float32: calls.append(layer)
+                                     or stacked(bases, layer, dtype)))
+    per_step = []
+    for step in range(3):
+        tail = OwnPiece(torch.arange(250, 251 + step), torch.arange(68, 69 + step))
+        q = torch.randn(1, kv_heads * group, head_dim)
+        for layer in range(layers):
+            for st in again.stacks:
+                st.bases.clear()
+            a = gathered_attention(q, again.extend(tail.slots), k_cache, v_cache, layer, head_dim ** -0.5)
+            before = len(calls)
+            b = gathered_attention(q, kept.extend(tail.slots), k_cache, v_cache, layer, head_dim ** -0.5)
+            per_step.append(len(calls) - before)
+            assert torch.equal(a, b), layer
+            gathered_attention(q, once.extend(tail.slots), k_cache, v_cache, layer, head_dim ** -0.5)
+    first = sum(per_step[:layers])
+    assert first == 2 * layers * len(kept.stacks) and sum(per_step[layers:]) == 0   # keys and values, once
+    bases = [b for st in kept.stacks for b in st.bases.values()]
+    codes = sum(k.nbytes for st in kept.stacks for k in st.unpacked.values())
+    assert len(bases) == first and kept.kept_bytes() == codes + sum(b.numel() * 4 for b in bases)
+    assert once.kept_bytes() == 0 and all(not st.bases for st in once.stacks)
