@@ -3,7 +3,10 @@
 A lead agent computes the turn_time benchmark's shared history (about 1,600 tokens); a second agent,
 with its own system prompt, reads it with a hand-off and takes its first token (its correction is
 computed then, nothing ahead of time). Then, per round, each variant decodes that agent's reply again
-(``ignore_eos``), rounds interleaved in one process so the ratios are side by side:
+(``ignore_eos``), rounds interleaved in one process so the ratios are side by side. Each variant runs on
+its own fresh engine, closed before the next starts: two engines alive at once hold two OpenMP teams,
+and GNU OpenMP then sleeps and wakes on every parallel region, which the view's many small ops pay most
+(docs/attention.md, "Threads"):
 
 - ``prefix``: its own exact KV (the history prefilled under its own prefix);
 - ``kvcmas``: reading the corrected view, its correction codes unpacked once and kept for the decode;
@@ -25,14 +28,15 @@ import statistics
 from benchmarks.turn_time import LATER, lead_history, prompt
 from kvcmas_agents import KVCMASConfig
 from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
+from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
 from kvcmas_agents.reuse.views import gather
 
 VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-unkept": ("kvcmas", {}),
             "kvcmas-copy": ("kvcmas", {"decode_copy": "auto"})}
 
 
-async def _engine(mode: str, knobs: dict) -> Engine:
-    engine = Engine(EngineConfig(reuse=mode, kvcmas=KVCMASConfig(prefetch="off", **knobs)))
+async def _engine(mode: str, knobs: dict, threads: int) -> Engine:
+    engine = Engine(EngineConfig(reuse=mode, num_threads=threads, kvcmas=KVCMASConfig(prefetch="off", **knobs)))
     agent, handoff = next(iter(LATER.items()))
     await lead_history(engine)
     await engine.generate(prompt(agent, handoff), agent=agent, sampling=SamplingParams(max_tokens=1))
@@ -53,25 +57,23 @@ async def _decode(engine: Engine, tokens: int) -> tuple[float, int, dict]:
 
 
 async def run(rounds: int, tokens: int, variants: dict[str, tuple[str, dict]] = VARIANTS) -> dict:
-    engines = {name: await _engine(mode, knobs) for name, (mode, knobs) in variants.items()}
     rates: dict[str, list[float]] = {name: [] for name in variants}
     held: dict[str, int] = {}
     reused: dict[str, int] = {}
-    try:
+    with single_threaded_caller() as threads:
         for _ in range(rounds):
-            for name, engine in engines.items():
+            for name, (mode, knobs) in variants.items():
+                engine = await _engine(mode, knobs, threads)
                 gather.KEEP_CODES = name != "kvcmas-unkept"
                 try:
                     rate, reused[name], mid = await _decode(engine, tokens)
                 finally:
                     gather.KEEP_CODES = True
+                    await engine.aclose()
                 rates[name].append(rate)
                 kv = mid.get("reuse", {}).get("kvcmas", {})
                 held[name] = kv.get("kept_code_bytes", 0) + kv.get("decode_copy_blocks", 0) // max(
                     kv.get("decode_copies", 1), 1) * mid["memory"]["block_bytes"]
-    finally:
-        for engine in engines.values():
-            await engine.aclose()
     out: dict = {"rounds": rounds, "tokens": tokens, "variants": {}}
     for name, rs in rates.items():
         ratios = [r / p for r, p in zip(rs, rates["prefix"])]
