@@ -23,8 +23,8 @@ from .reference import SegmentPiece
 
 Group = tuple[list[Coeffs], Basis, list[Coeffs], Basis]      # (U_k's, B_k, U_v's, B_v) sharing one basis
 
-# Whether views kept for a decode keep their unpacked codes and stacked bases (``Stack.coefficients``,
-# ``Stack.basis``); off only to measure what keeping them buys (benchmarks/decode_rate.py).
+# Whether views kept for a decode keep their unpacked codes (``Stack.coefficients``); off only to measure
+# what keeping them buys (benchmarks/decode_rate.py).
 KEEP_CODES = True
 
 
@@ -45,8 +45,6 @@ class Stack:
 
     # (side, groups, layer) -> the leading groups' U of that side (0 keys, 2 values), kept unpacked
     unpacked: dict[tuple[int, int, int], KeptCodes] = field(default_factory=dict)
-    # (side, groups, layer, dtype) -> their bases stacked, dequantized and rotated (``basis``)
-    bases: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def spans(self, groups: int) -> list[tuple[int, int]]:
         """Where each of the leading ``groups`` groups' rows lie in ``rows``."""
@@ -79,29 +77,12 @@ class Stack:
                 self.unpacked[key] = kept
         return kept
 
-    def basis(self, side: int, groups: int, layer: int, dtype: torch.dtype, keep: bool) -> torch.Tensor | None:
-        """The leading ``groups`` groups' bases of one side stacked [NB, KVH, r, D] (``Basis.stacked``), or
-        None when all are the plain identity. A view kept for its request (``keep``) keeps them for its
-        later steps: a scaled, shifted basis takes several ops to read in every layer of every step,
-        and the stacked bases are a few hundred kilobytes a layer."""
-        bases = [g[side + 1] for g in self.groups[:groups]]
-        if all(b.plain_identity for b in bases):
-            return None
-        if not (keep and KEEP_CODES):
-            return Basis.stacked(bases, layer, dtype)
-        key = (side, groups, layer, dtype)
-        b = self.bases.get(key)
-        if b is None:
-            b = self.bases[key] = Basis.stacked(bases, layer, dtype)
-        return b
-
     def coeffs(self, side: int, groups: int) -> list[Coeffs]:
         """The leading ``groups`` groups' U factors of one side (0 keys, 2 values), group by group."""
         return [u for g in self.groups[:groups] for u in g[side]]
 
     def kept_bytes(self) -> int:
-        return sum(k.nbytes for k in self.unpacked.values()) + sum(
-            b.numel() * b.element_size() for b in self.bases.values())
+        return sum(k.nbytes for k in self.unpacked.values())
 
 
 @dataclass
@@ -210,13 +191,13 @@ def _stack_dense(st: Stack, side: int, active: int, layer: int, dtype: torch.dty
     """Corrected rows U . B [R, KVH, D] of one side of a stack's leading ``active`` groups (side 0 keys,
     2 values; U's rows spans[i] have the i-th group's basis). A view kept for its request reads its kept
     codes (the tail's prefill unpacks them once for the decode after it)."""
-    spans = st.spans(active)
+    bases, spans = [g[side + 1] for g in st.groups[:active]], st.spans(active)
     u = st.read_kept(side, active, layer, dtype, keep)
     if u is None:
         u = Coeffs.joined(st.coeffs(side, active), layer, dtype)
-    b = st.basis(side, active, layer, dtype, keep)                                # [NB, KVH, r, D]
-    if b is None:
+    if all(b.plain_identity for b in bases):
         return u.transpose(0, 1)
+    b = Basis.stacked(bases, layer, dtype)                                        # [NB, KVH, r, D]
     return torch.cat([u[:, a:e] @ b[i] for i, (a, e) in enumerate(spans)], dim=1).transpose(0, 1)
 
 
@@ -280,22 +261,21 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
         active = st.active(layer)                      # groups that store nothing for this layer are left out
         if not active:
             continue
-        rows, spans = st.rows[:st.ends[active - 1]], st.spans(active)
+        rows, spans, gs = st.rows[:st.ends[active - 1]], st.spans(active), st.groups[:active]
         uk = st.coefficients(0, active, layer, q.dtype, view.keep)
-        bk = st.basis(0, active, layer, q.dtype, view.keep)
-        scores.index_add_(-1, rows, _lowrank_scores(qg, bk, uk, spans))
-        parts.append((st, active, rows, spans))
+        scores.index_add_(-1, rows, _lowrank_scores(qg, [g[1] for g in gs], uk, spans, layer))
+        parts.append((st, active, rows, spans, gs))
     scores = (scores * scale).view(kvh, g, n, ctx)
     if n > 1:
         visible = torch.arange(ctx, device=q.device) <= torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
         scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(kvh, g * n, ctx)
     out = probs @ v.transpose(0, 1)                                     # [KVH, G*n, D]
-    for st, active, rows, spans in parts:
+    for st, active, rows, spans, gs in parts:
         uv = st.coefficients(2, active, layer, q.dtype, view.keep)
         # (on 2-D: index_select over the last of three dims took ten times as long on CPU)
         picked = probs.view(-1, ctx).index_select(1, rows).view(kvh, g * n, -1)
-        out += _lowrank_values(picked, uv, st.basis(2, active, layer, q.dtype, view.keep), spans)
+        out += _lowrank_values(picked, uv, [g[3] for g in gs], spans, layer)
     return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
 
 
@@ -306,31 +286,30 @@ def _coefficients(us: list[Coeffs], layer: int, dtype: torch.dtype) -> tuple[tor
     return packed if packed is not None else (Coeffs.joined(us, layer, dtype), None)
 
 
-def _lowrank_scores(qg: torch.Tensor, b: torch.Tensor | None, coeffs: tuple[torch.Tensor, torch.Tensor | None],
-                    spans: list[tuple[int, int]]) -> torch.Tensor:
-    """(q . B^T) . U^T [KVH, G*n, R] over rows of several groups: U's rows spans[i] have basis b[i]
-    (``Stack.basis``: [NB, KVH, r, D], None for the plain identity)."""
+def _lowrank_scores(qg: torch.Tensor, bases: list[Basis], coeffs: tuple[torch.Tensor, torch.Tensor | None],
+                    spans: list[tuple[int, int]], layer: int) -> torch.Tensor:
+    """(q . B^T) . U^T [KVH, G*n, R] over rows of several groups: U's rows spans[i] have bases[i]."""
     u, m = coeffs
-    if m is None and b is None:
+    if m is None and all(b.plain_identity for b in bases):
         return qg @ u.transpose(-1, -2)
-    qb = qg.expand(len(spans), *qg.shape) if b is None else qg @ b.transpose(-1, -2)   # [NB, KVH, G*n, r]
+    qb = qg @ Basis.stacked(bases, layer, qg.dtype).transpose(-1, -2)             # [NB, KVH, G*n, r]
     if m is not None:               # in fp32: products with the features' bytes cancel to the codes
         qb = qb.float() @ m.T
-    return torch.cat([qb[i] @ u[:, a:e].transpose(-1, -2) for i, (a, e) in enumerate(spans)], dim=-1).to(qg.dtype)
+    return torch.cat([qb[i] @ u[:, a:b].transpose(-1, -2) for i, (a, b) in enumerate(spans)], dim=-1).to(qg.dtype)
 
 
-def _lowrank_values(p: torch.Tensor, coeffs: tuple[torch.Tensor, torch.Tensor | None], b: torch.Tensor | None,
-                    spans: list[tuple[int, int]]) -> torch.Tensor:
+def _lowrank_values(p: torch.Tensor, coeffs: tuple[torch.Tensor, torch.Tensor | None], bases: list[Basis],
+                    spans: list[tuple[int, int]], layer: int) -> torch.Tensor:
     """(P[:, rows] . U) . B [KVH, G*n, D] summed over several groups; p [KVH, G*n, R], and U's rows
-    spans[i] have basis b[i] (``Stack.basis``; None for the plain identity)."""
+    spans[i] have bases[i]."""
     u, m = coeffs
-    if m is None and b is None:
+    if m is None and all(b.plain_identity for b in bases):
         return p @ u
     pf = p if m is None else p.float()
-    pu = torch.stack([pf[..., a:e] @ u[:, a:e] for a, e in spans])               # [NB, KVH, G*n, r]
+    pu = torch.stack([pf[..., a:b] @ u[:, a:b] for a, b in spans])                # [NB, KVH, G*n, r]
     if m is not None:
         pu = (pu @ m).to(p.dtype)
-    return (pu if b is None else pu @ b).sum(0)
+    return (pu @ Basis.stacked(bases, layer, p.dtype)).sum(0)
 
 
 def _query_side(view: GatheredView, queries: int) -> bool:
