@@ -9,7 +9,9 @@ and GNU OpenMP then sleeps and wakes on every parallel region, which the view's 
 (docs/attention.md, "Threads"):
 
 - ``prefix``: its own exact KV (the history prefilled under its own prefix);
-- ``kvcmas``: reading the corrected view, its correction codes unpacked once and kept for the decode;
+- ``kvcmas``: reading the corrected view, its correction codes unpacked once and kept for the decode
+  (the compiled CPU loops of ``kernels.cpu_view`` where they built);
+- ``kvcmas-torch``: the same by torch ops alone (``views.gather.COMPILED`` off);
 - ``kvcmas-unkept``: the same, unpacking the codes in every step (``views.gather.KEEP_CODES`` off);
 - ``kvcmas-copy``: the view written into the request's own blocks first (``decode_copy="auto"``).
 
@@ -31,7 +33,8 @@ from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
 from kvcmas_agents.reuse.views import gather
 
-VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-unkept": ("kvcmas", {}),
+VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-torch": ("kvcmas", {}),
+            "kvcmas-unkept": ("kvcmas", {}),
             "kvcmas-copy": ("kvcmas", {"decode_copy": "auto"})}
 
 
@@ -64,11 +67,11 @@ async def run(rounds: int, tokens: int, variants: dict[str, tuple[str, dict]] = 
         for _ in range(rounds):
             for name, (mode, knobs) in variants.items():
                 engine = await _engine(mode, knobs, threads)
-                gather.KEEP_CODES = name != "kvcmas-unkept"
+                gather.KEEP_CODES, gather.COMPILED = name != "kvcmas-unkept", name != "kvcmas-torch"
                 try:
                     rate, reused[name], mid = await _decode(engine, tokens)
                 finally:
-                    gather.KEEP_CODES = True
+                    gather.KEEP_CODES = gather.COMPILED = True
                     await engine.aclose()
                 rates[name].append(rate)
                 kv = mid.get("reuse", {}).get("kvcmas", {})

@@ -5,9 +5,12 @@ the last turn and captures each layer's attention over the request's kept view a
 the engine closed (one OpenMP team in the process), it times per step, over all layers:
 
 - ``prefix``: a gather of the same keys and plain attention, what prefix caching runs;
-- ``kvcmas``: the view's attention as the engine runs it;
-- ``no_lowrank``: the same without the corrections' low-rank terms;
-- ``no_rotation``: the same without realigning the reused keys.
+- ``prefix_loops``: the same plain attention by the compiled CPU loops (``kernels.cpu_view``), to tell
+  what the loops buy by themselves from what they buy the corrections;
+- ``kvcmas``: the view's attention as the engine runs it (the compiled loops where they built);
+- ``kvcmas_torch``: the same by the torch ops alone;
+- ``no_lowrank`` / ``no_rotation``: the torch ops without the corrections' low-rank terms / without
+  realigning the reused keys.
 
 Prints JSON: the view's shape (keys, position shifts, corrected rows, groups) and, per thread count,
 each variant's best time per step in ms (best of ``rounds`` runs of ``reps`` steps).
@@ -33,6 +36,7 @@ from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
 from kvcmas_agents.fidelity.conversation import run_exact_and_close
 from kvcmas_agents.fidelity.replay import replay
 from kvcmas_agents.fidelity.scenarios import declare_systems
+from kvcmas_agents.kernels import cpu_view
 from kvcmas_agents.model.attention import sdpa
 from kvcmas_agents.reuse.views import gather
 
@@ -72,17 +76,19 @@ async def capture(preset: str, trace_name: str, tokens: int = 8) -> Captured:
 
 
 def _variants(seen: Captured) -> dict[str, Callable[[], None]]:
-    def over(views: Captured) -> Callable[[], None]:
+    def over(views: Captured, attend: Callable = gather._lowrank_attention) -> Callable[[], None]:
         def step() -> None:
             for layer, (q, view, kc, vc, scale) in views.items():
-                gather._lowrank_attention(q, view, kc, vc, layer, scale)
+                attend(q, view, kc, vc, layer, scale)
         return step
 
     def prefix() -> None:
         for q, view, kc, vc, scale in seen.values():
             sdpa(q, kc.index_select(0, view.slots), vc.index_select(0, view.slots), scale)
 
-    return {"prefix": prefix, "kvcmas": over(seen),
+    plain = {l: (q, replace(v, stacks=[], cos=v.cos[:0]), *rest) for l, (q, v, *rest) in seen.items()}
+    loops = {"prefix_loops": over(plain, gather._compiled_attention)} if cpu_view.load() is not None else {}
+    return {"prefix": prefix, **loops, "kvcmas": over(seen, gather.gathered_attention), "kvcmas_torch": over(seen),
             "no_lowrank": over({l: (q, replace(v, stacks=[]), *rest) for l, (q, v, *rest) in seen.items()}),
             "no_rotation": over({l: (q, replace(v, cos=v.cos[:0]), *rest) for l, (q, v, *rest) in seen.items()})}
 
@@ -122,7 +128,7 @@ def view_shape(seen: Captured) -> dict:
 
 async def run(preset: str, trace: str, reps: int, rounds: int = 5, threads: tuple[int, ...] = (2, 1)) -> dict:
     seen = await capture(preset, trace)
-    return {"preset": preset, "trace": trace, "view": view_shape(seen),
+    return {"preset": preset, "trace": trace, "view": view_shape(seen), "cpu_loops": cpu_view.unavailable() or "built",
             "ms_per_step": time_parts(seen, reps, rounds, threads)}
 
 

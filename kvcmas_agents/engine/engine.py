@@ -30,7 +30,7 @@ from ..model.sampling import make_generator
 from ..reuse import ReuseContext, ReuseMethod, ReuseOptions, method_class, names
 from ..reuse.realign import Realigner, refuses
 from ..reuse.segments import SegmentStore
-from ..reuse.views import choose_view_path
+from ..reuse.views import choose_view_path, view_loops
 from .config import EngineConfig, SamplingParams
 from .constraints import grammar_spec
 from .edges import EdgeOrder
@@ -112,6 +112,7 @@ class Engine:
         a = loaded.args
         self.view_path, self.view_fallback = choose_view_path(cfg.view_path, realigner, a.num_kv_heads, a.num_heads,
                                                          a.head_dim, self.device, self.store.k.dtype)
+        self.view_loops = view_loops(self.view_path, self.device, self.store.k.dtype)
         ctx = ReuseContext(self.model, self.store, prefix, self.segments, realigner, self.view_path,
                            self._order.predecessors, self._order.successors, _side_request,
                            self.scheduler.reserve, self.scheduler.release, self.scheduler.take_blocks)
@@ -284,7 +285,8 @@ class Engine:
             "engine": {"model": self.model_name, "device": str(self.device),
                        "dtype": str(self.model.dtype).replace("torch.", ""), "reuse": self.config.reuse,
                        "num_threads": self.num_threads, "view_path": self.view_path,
-                       "view_path_fallback": self.view_fallback, "realign_refused": self.realign_refused,
+                       "view_path_fallback": self.view_fallback, "view_loops": self.view_loops,
+                       "realign_refused": self.realign_refused,
                        "block_size": self.store.block_size, "max_context": self.max_context},
             "memory": {"kv_budget_bytes": self.config.kv_budget_bytes, "block_bytes": kv.block_bytes,
                        "blocks_total": kv.blocks_total, "blocks_in_use": kv.blocks_active,

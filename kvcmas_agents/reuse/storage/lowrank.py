@@ -226,7 +226,8 @@ def _layer_of(first: int, layer: int | slice, read: Callable[[int | slice], torc
 @dataclass
 class KeptCodes:
     """Several states' U of one layer kept unpacked for a decode (``Coeffs.exact_codes``): int8 codes
-    [KVH, R, r], and for quantized rows their row scales [KVH, R, 1] and, where a state has them, the
+    [KVH, R, r] (stored transposed, [KVH, r, R] in memory: the compiled CPU loops run along rows), and
+    for quantized rows their row scales [KVH, R, 1] and, where a state has them, the
     channel scales: one table [KVH, S, D] of the states' scales (ones for a state without) and each
     row's state [R] in it."""
 
@@ -234,6 +235,9 @@ class KeptCodes:
     scale: torch.Tensor | None = None
     channels: torch.Tensor | None = None
     row_state: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.codes = self.codes.transpose(1, 2).contiguous().transpose(1, 2)
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         u = self.codes.to(dtype)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ...kernels import cpu_view
 from ...model.attention import grouped_attention, sdpa
 from ...model.rope import rotate, rotate_, signed_sin
 from ..realign import Realigner
@@ -82,7 +83,23 @@ class Stack:
         return [u for g in self.groups[:groups] for u in g[side]]
 
     def kept_bytes(self) -> int:
-        return sum(k.nbytes for k in self.unpacked.values())
+        """Bytes of kept codes, with the fp32 copies of their scales the compiled loops keep."""
+        copies = {t.data_ptr(): t.numel() * t.element_size() for c in self.compiled.values()
+                  for t in (c.scale, c.channels, c.row_state) if t is not None}
+        shared = {t.data_ptr() for k in self.unpacked.values() for t in (k.scale, k.channels, k.row_state)
+                  if t is not None}
+        return sum(k.nbytes for k in self.unpacked.values()) + sum(n for i, n in copies.items() if i not in shared)
+
+    def row_groups(self, groups: int) -> torch.Tensor:
+        """Each of the leading ``groups`` groups' rows' group index [R] (int32), for the compiled loops."""
+        if self._row_group is None:
+            sizes = torch.tensor([b - a for a, b in self.spans(len(self.groups))])
+            self._row_group = torch.repeat_interleave(torch.arange(len(self.groups), dtype=torch.int32), sizes)
+        return self._row_group[:self.ends[groups - 1]]
+
+    _row_group: torch.Tensor | None = None
+    # (side, groups, layer) -> the kept codes as the compiled loops take them (views of ``unpacked``)
+    compiled: dict[tuple[int, int, int], cpu_view.Coeffs] = field(default_factory=dict)
 
 
 @dataclass
@@ -239,6 +256,8 @@ def gathered_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
                        layer: int, scale: float) -> torch.Tensor:
     """Causal attention of the last len(q) positions over the view; q [Tq, H, D] -> [Tq, H, D]."""
     few = q.shape[0] <= LOWRANK_QUERY
+    if few and (view.stacks or view.cos.shape[0]) and _compiled(q, view, k_cache):
+        return _compiled_attention(q, view, k_cache, v_cache, layer, scale)
     if few and (view.stacks or _query_side(view, q.shape[0])):     # (also below first_layer: same numerics)
         return _lowrank_attention(q, view, k_cache, v_cache, layer, scale)
     k, v = gathered_kv(view, k_cache, v_cache, layer)
@@ -277,6 +296,69 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
         picked = probs.view(-1, ctx).index_select(1, rows).view(kvh, g * n, -1)
         out += _lowrank_values(picked, uv, [g[3] for g in gs], spans, layer)
     return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+
+
+# Few queries over a view on CPU in fp32 take the compiled loops (``kernels.cpu_view``) where they built;
+# off only to measure what they buy.
+COMPILED = True
+
+
+def _compiled(q: torch.Tensor, view: GatheredView, k_cache: torch.Tensor) -> bool:
+    """Whether the compiled CPU loops can serve this attention."""
+    return (COMPILED and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
+            and k_cache.is_contiguous() and q.shape[1] // k_cache.shape[1] * q.shape[0] <= cpu_view.MAX_ROWS and all(g[0][0].rank <= cpu_view.MAX_RANK and g[2][0].rank <= cpu_view.MAX_RANK
+                                                for st in view.stacks for g in st.groups)
+            and cpu_view.load() is not None)
+
+
+def _compiled_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        layer: int, scale: float) -> torch.Tensor:
+    """``_lowrank_attention`` by the compiled CPU loops: keys and values read in place from the cache,
+    every reused key realigned by rotating the query (any number of deltas), the low-rank terms summed
+    row by row from the kept codes; only each stack's bases go through torch (q . B_k and pu . B_v)."""
+    q = q.contiguous()
+    n, heads, dim = q.shape
+    kvh = k_cache.shape[1]
+    g = heads // kvh
+    rotated = view.cos.shape[0] > 0
+    scores = cpu_view.scores(q, k_cache, view.slots, view.key_class if rotated else None, view.q_cos, view.q_sin)
+    qg = q.view(n, kvh, g, dim).permute(1, 2, 0, 3).reshape(kvh, g * n, dim)
+    parts = []
+    for st in view.stacks:
+        active = st.active(layer)
+        if not active:
+            continue
+        rows, group, gs = st.rows[:st.ends[active - 1]], st.row_groups(active), st.groups[:active]
+        bases = [gr[1] for gr in gs]
+        if all(b.plain_identity for b in bases):
+            qb = qg.expand(active, *qg.shape).contiguous()
+        else:
+            qb = (qg @ Basis.stacked(bases, layer, q.dtype).transpose(-1, -2)).contiguous()   # [NB, KVH, G*n, r]
+        cpu_view.lowrank_scores(scores, rows, group, qb, _compiled_coeffs(st, 0, active, layer, view.keep))
+        parts.append((st, active, rows, group, gs))
+    out = cpu_view.softmax_pv(n, scores, scale, v_cache, view.slots)               # scores become probs
+    for st, active, rows, group, gs in parts:
+        pu = cpu_view.lowrank_values(scores, rows, group, active, _compiled_coeffs(st, 2, active, layer, view.keep))
+        bases = [gr[3] for gr in gs]
+        out += pu.sum(0) if all(b.plain_identity for b in bases) else (pu @ Basis.stacked(bases, layer, q.dtype)).sum(0)
+    return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+
+
+def _compiled_coeffs(st: Stack, side: int, active: int, layer: int, keep: bool) -> cpu_view.Coeffs:
+    """A stack's U of one side for the compiled loops, [KVH, r, R]: its kept int8 codes (kept in that
+    layout) and scales as they are, else fp32."""
+    key = (side, active, layer)
+    if key in st.compiled:
+        return st.compiled[key]
+    kept = st.kept(side, active, layer) if keep and KEEP_CODES else None
+    if kept is None:
+        u = Coeffs.joined(st.coeffs(side, active), layer, torch.float32)
+        return cpu_view.Coeffs(u.transpose(1, 2).contiguous())
+    f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()      # noqa: E731
+    scale = None if kept.scale is None else f32(kept.scale).view(kept.codes.shape[:2])
+    c = st.compiled[key] = cpu_view.Coeffs(kept.codes.transpose(1, 2).contiguous(), scale, f32(kept.channels),
+                                           None if kept.row_state is None else kept.row_state.to(torch.int32).contiguous())
+    return c
 
 
 def _coefficients(us: list[Coeffs], layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:

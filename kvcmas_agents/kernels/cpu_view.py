@@ -1,0 +1,151 @@
+"""The compiled CPU loops of ``cpu_view.c``: decode-sized attention over a corrected view, fp32.
+
+The C source is built once per machine with the system's C compiler (``cc``, or ``$CC``) into the
+kvcmas cache and loaded with ctypes; no Python headers or torch build are needed. ``load`` returns the
+library, or None with the reason in ``unavailable()`` when there is no compiler or the build fails, so
+callers can serve from the torch path and say so. Plain tensors in, plain tensors out.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_view.c")
+# -fopenmp-simd honours the source's `omp simd` pragmas without linking an OpenMP runtime: a second
+# OpenMP team beside torch's makes every parallel region of the process sleep and wake.
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
+MAX_RANK = 256              # the C loops read one U row into a stack buffer of this size,
+MAX_ROWS = 64               # and blocks of rows' products with G * n <= MAX_ROWS query rows into others
+
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_tried = False
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_SIGNATURES = {
+    "vd_scores": [_I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P],
+    "vd_lowrank_scores": [_I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I],
+    "vd_softmax_pv": [_I, _I, _I, _I, _I, _F, _P, _P, _P, _P],
+    "vd_lowrank_values": [_I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P],
+}
+
+
+def _cache_dir() -> Path:
+    """<the kvcmas cache>/kernels: $KVCMAS_CACHE_DIR, else $XDG_CACHE_HOME or ~/.cache, then kvcmas."""
+    env = os.environ.get("KVCMAS_CACHE_DIR")
+    root = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvcmas"
+    return root.expanduser() / "kernels"
+
+
+def _build(target: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:      # build aside, then rename: atomic
+        out = Path(tmp) / target.name
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(out, target)
+
+
+def load() -> ctypes.CDLL | None:
+    """The built library (building it on first use), or None when it cannot be built here."""
+    global _lib, _why, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("KVCMAS_NO_CPU_KERNEL"):
+        _why = "KVCMAS_NO_CPU_KERNEL is set"
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode())
+    target = _cache_dir() / f"cpu_view-{key.hexdigest()[:12]}.so"
+    try:
+        if not target.exists():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+        for name, args in _SIGNATURES.items():
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
+    except Exception as exc:             # no compiler, a failed build, an unloadable library
+        _why = f"CPU view kernel unavailable: {exc}"
+        return None
+    _lib = lib
+    return lib
+
+
+def unavailable() -> str | None:
+    """Why ``load`` returned None (after it was called), else None."""
+    return _why
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def scores(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, key_class: torch.Tensor | None,
+           q_cos: torch.Tensor | None, q_sin: torch.Tensor | None) -> torch.Tensor:
+    """Scores [KVH, G*n, ctx] of q [n, H, D] over k_cache[slots] [ctx, KVH, D], each key scored by the
+    query moved by minus its class's delta (tables [C, D] in rotate-half form) when key_class is given."""
+    n, heads, dim = q.shape
+    kvh, ctx = k_cache.shape[1], slots.numel()
+    g = heads // kvh
+    classes = 0 if key_class is None else q_cos.shape[0]
+    qr = q.new_empty(max(classes, 1), kvh, g * n, dim)
+    out = q.new_empty(kvh, g * n, ctx)
+    load().vd_scores(n, kvh, g, dim, _ptr(q), _ptr(k_cache), ctx, _ptr(slots), _ptr(key_class), classes,
+                     _ptr(q_cos), _ptr(q_sin), _ptr(qr), _ptr(out))
+    return out
+
+
+@dataclass
+class Coeffs:
+    """A stack's U for the loops, transposed: ``u`` [KVH, r, R] fp32, or int8 codes times optional row
+    scales [KVH, R] and channel scales (a table [KVH, S, r] and each row's entry [R] int32 in it). All
+    contiguous."""
+
+    u: torch.Tensor
+    scale: torch.Tensor | None = None
+    channels: torch.Tensor | None = None
+    row_state: torch.Tensor | None = None
+
+    def args(self) -> tuple:
+        fp = self.u.dtype == torch.float32
+        return (self.u.shape[1], _ptr(self.u) if fp else None, None if fp else _ptr(self.u), _ptr(self.scale),
+                _ptr(self.channels), _ptr(self.row_state), 0 if self.channels is None else self.channels.shape[1])
+
+
+def lowrank_scores(scores_: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, qb: torch.Tensor,
+                   u: Coeffs) -> None:
+    """scores[h, :, rows[j]] += qb[group[j], h] . U[h, j] in place."""
+    kvh, gn, ctx = scores_.shape
+    r, *rest = u.args()
+    load().vd_lowrank_scores(kvh, gn, ctx, _ptr(scores_), rows.numel(), _ptr(rows), _ptr(group), r, _ptr(qb), *rest)
+
+
+def softmax_pv(n: int, scores_: torch.Tensor, scale: float, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Turns scores into causal probabilities in place and returns probs . v_cache[slots] [KVH, G*n, D]."""
+    kvh, gn, ctx = scores_.shape
+    out = scores_.new_empty(kvh, gn, v_cache.shape[-1])
+    load().vd_softmax_pv(n, kvh, gn, v_cache.shape[-1], ctx, scale, _ptr(scores_), _ptr(v_cache), _ptr(slots),
+                         _ptr(out))
+    return out
+
+
+def lowrank_values(probs: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, groups: int, u: Coeffs
+                   ) -> torch.Tensor:
+    """pu [groups, KVH, G*n, r]: each group's sum over its rows of probs[h, :, rows[j]] * U[h, j]."""
+    kvh, gn, ctx = probs.shape
+    args = u.args()
+    pu = probs.new_zeros(groups, kvh, gn, args[0])
+    load().vd_lowrank_values(kvh, gn, ctx, _ptr(probs), rows.numel(), _ptr(rows), _ptr(group), *args, _ptr(pu))
+    return pu

@@ -1,0 +1,93 @@
+"""The compiled CPU loops serve few queries over a view and agree with the torch path they replace."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvcmas_agents.kernels import cpu_view
+from kvcmas_agents.model.rope import inv_frequencies
+from kvcmas_agents.reuse.realign import Realigner
+from kvcmas_agents.reuse.storage.lowrank import Format, compress, compress_joint
+from kvcmas_agents.reuse.views import gather
+from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention
+from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention
+
+pytestmark = pytest.mark.skipif(cpu_view.load() is None, reason=str(cpu_view.unavailable()))
+
+
+def _view(kind: str, kv_heads: int, head_dim: int, layers: int, segments: int, keep: bool):
+    """Pieces over a random cache: an own prefix, ``segments`` reused segments with distinct deltas and
+    corrections stored as ``kind`` (int8 factors, quantized rows, float factors, joint states), and the
+    gathered view of them."""
+    g = torch.Generator().manual_seed(segments)
+    k_cache = torch.randn(900, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(900, kv_heads, head_dim, generator=g)
+    inv, _ = inv_frequencies(head_dim, 10000.0, None, 4096)
+    realigner = Realigner(inv.float())
+    rows = [torch.sort(torch.randperm(30, generator=g)[:11]).values for _ in range(segments)]
+    dks = [torch.randn(layers, kv_heads, 11, head_dim, generator=g) * 0.1 for _ in range(segments)]
+    if kind == "joint":
+        states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, Format(torch.int8, int8_basis=True, u8=4))
+    else:
+        fmt = {"int8": Format(torch.int8, int8_basis=True), "rows": Format(torch.int8, value_bits=4, key_bits=4),
+               "float": Format(None)}[kind]
+        states = [compress(dk, dk.flip(-1), r, 8, fmt) for dk, r in zip(dks, rows)]
+    pieces = [OwnPiece(torch.arange(0, 10), torch.arange(10))]
+    for i, state in enumerate(states):
+        deltas = [state, realigner.rotate_delta(state, 3)] if i == 0 else [state]    # a chain of two
+        pieces.append(SegmentPiece(torch.arange(200 + 30 * i, 230 + 30 * i), torch.arange(10 + 30 * i, 40 + 30 * i),
+                                   7 - 5 * i, deltas))
+    view = replace(build_gathered(pieces, realigner, torch.device("cpu"), torch.float32), keep=keep)
+    return pieces, view, k_cache, v_cache, realigner, 10 + 30 * segments
+
+
+@pytest.mark.parametrize("kind", ["int8", "rows", "float", "joint"])
+@pytest.mark.parametrize("queries", [1, 3, 8])
+@pytest.mark.parametrize("keep", [False, True])
+def test_compiled_loops_match_the_torch_path_and_the_reference(monkeypatch, kind, queries, keep):
+    kv_heads, head_dim, group, layers = 3, 64, 3, 2
+    pieces, view, k_cache, v_cache, realigner, n = _view(kind, kv_heads, head_dim, layers, 12, keep)
+    tail = OwnPiece(torch.arange(700, 700 + queries), torch.arange(n, n + queries))
+    view = view.extend(tail.slots)
+    served = []
+    real = gather._compiled_attention
+    monkeypatch.setattr(gather, "_compiled_attention", lambda *a: served.append(1) or real(*a))
+    for layer in range(layers):
+        q = torch.randn(queries, kv_heads * group, head_dim)
+        out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        torch_path = gather._lowrank_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        ref = view_attention(q, torch.arange(n, n + queries), pieces + [tail], k_cache, v_cache, layer,
+                             head_dim ** -0.5, realigner)
+        assert torch.allclose(out, torch_path, atol=2e-6), (out - torch_path).abs().max()
+        assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    assert len(served) == layers            # the compiled loops served every layer (13 deltas: keys rotated)
+    # Not vacuous: a view without the corrections attends differently.
+    plain = replace(view, stacks=[])
+    assert not torch.allclose(gathered_attention(q, plain, k_cache, v_cache, 1, head_dim ** -0.5), out, atol=1e-4)
+
+
+def test_softmax_of_the_compiled_loops_is_exact_to_float_rounding():
+    """Their own exp: probabilities over a wide range of scores match torch.softmax's."""
+    torch.manual_seed(0)
+    scores = torch.randn(2, 3, 500) * 30
+    v = torch.randn(500, 2, 8)
+    out = cpu_view.softmax_pv(1, scores.clone(), 0.7, v, torch.arange(500))
+    probs = torch.softmax(scores * 0.7, dim=-1)
+    want = torch.einsum("hxj,jhd->hxd", probs, v)
+    assert torch.allclose(out, want, atol=1e-6, rtol=1e-5), (out - want).abs().max()
+
+
+def test_without_a_compiler_the_torch_path_serves_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_view, "_tried", False)
+    monkeypatch.setattr(cpu_view, "_lib", None)
+    monkeypatch.setattr(cpu_view, "_why", None)
+    assert cpu_view.load() is None and "no-such-cc" in (cpu_view.unavailable() or "")
+    pieces, view, k_cache, v_cache, realigner, n = _view("int8", 2, 64, 1, 3, False)
+    q = torch.randn(1, 4, 64)
+    out = gathered_attention(q, view, k_cache, v_cache, 0, 0.125)
+    ref = view_attention(q, torch.tensor([n - 1]), pieces, k_cache, v_cache, 0, 0.125, realigner)
+    assert torch.allclose(out, ref, atol=1e-5)
