@@ -23,6 +23,7 @@ from ..cache.prefix_cache import PrefixCache
 from ..chat.detokenize import IncrementalDetokenizer
 from ..chat.template import ChatFormatter, RenderedPrompt
 from ..errors import ConfigError, EngineClosedError, EngineError, InvalidRequestError, RequestTimeoutError
+from ..kernels import cpu_view
 from ..model.grammar import Grammars
 from ..model.llama import LlamaModel
 from ..model.loader import load_model
@@ -30,7 +31,7 @@ from ..model.sampling import make_generator
 from ..reuse import ReuseContext, ReuseMethod, ReuseOptions, method_class, names
 from ..reuse.realign import Realigner, refuses
 from ..reuse.segments import SegmentStore
-from ..reuse.views import choose_view_path, view_loops
+from ..reuse.views import choose_view_path
 from .config import EngineConfig, SamplingParams
 from .constraints import grammar_spec
 from .edges import EdgeOrder
@@ -112,7 +113,7 @@ class Engine:
         a = loaded.args
         self.view_path, self.view_fallback = choose_view_path(cfg.view_path, realigner, a.num_kv_heads, a.num_heads,
                                                          a.head_dim, self.device, self.store.k.dtype)
-        self.view_loops = view_loops(self.view_path, self.device, self.store.k.dtype)
+        self.attention_loops = cpu_view.status(self.device, self.store.k.dtype)
         ctx = ReuseContext(self.model, self.store, prefix, self.segments, realigner, self.view_path,
                            self._order.predecessors, self._order.successors, _side_request,
                            self.scheduler.reserve, self.scheduler.release, self.scheduler.take_blocks)
@@ -285,7 +286,7 @@ class Engine:
             "engine": {"model": self.model_name, "device": str(self.device),
                        "dtype": str(self.model.dtype).replace("torch.", ""), "reuse": self.config.reuse,
                        "num_threads": self.num_threads, "view_path": self.view_path,
-                       "view_path_fallback": self.view_fallback, "view_loops": self.view_loops,
+                       "view_path_fallback": self.view_fallback, "attention_loops": self.attention_loops,
                        "realign_refused": self.realign_refused,
                        "block_size": self.store.block_size, "max_context": self.max_context},
             "memory": {"kv_budget_bytes": self.config.kv_budget_bytes, "block_bytes": kv.block_bytes,

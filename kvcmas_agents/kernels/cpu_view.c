@@ -2,15 +2,18 @@
  *
  * The torch gather path spends most of a decode step over a corrected view in small ops (about 40 a
  * layer): gathering keys, rotating reused ones, and the low-rank terms of each group of corrections.
- * These loops do the same math reading the paged cache in place:
+ * These loops do the same math reading the paged cache, the kept codes and the stored bases in place:
  *
- *   vd_scores          scores[h, gn, j] = R(-delta_j) q[h, gn] . k[slot_j, h]   (query-side realignment)
- *   vd_lowrank_scores  scores[h, gn, row] += qb[group, h, gn] . U_k[h, row]      (per stack of groups)
+ *   vd_scores          scores[h, x, j] = R(-delta_j) q[h, x] . k[slot_j, h]    (query-side realignment)
+ *   vd_basis_queries   qb[i, h, x] = q[h, x] . B_k,i[h]^T                       (per stack of groups)
+ *   vd_lowrank_scores  scores[h, x, row] += qb[group, h, x] . U_k[h, row]
  *   vd_softmax_pv      probs = softmax(scale * scores) (causal for n > 1); out = probs . v
- *   vd_lowrank_values  pu[group, h, gn] += probs[h, gn, row] * U_v[h, row]      (then pu . B_v in torch)
+ *   vd_lowrank_values  pu[group, h, x] += probs[h, x, row] * U_v[h, row]
+ *   vd_basis_values    out[h, x] += pu[i, h, x] . B_v,i[h]
  *
  * Layouts: q [n, KVH*G, D]; caches [slots, KVH, D]; scores/probs [KVH, G*n, ctx] with row g*n + i for
- * query i of group head g; U [KVH, R, r] as fp32, or int8 codes with an optional row scale [KVH, R].
+ * query i of group head g; U transposed, [KVH, r, R]. One thread: a second OpenMP team beside torch's
+ * would make every parallel region of the process sleep and wake.
  */
 #include <math.h>
 #include <stdint.h>
@@ -268,5 +271,85 @@ void vd_lowrank_values(int kvh, int gn, int ctx, const float *probs, int nrows, 
                     out[x * r + t] += ch ? sum * ch[t] : sum;
                 }
             a = e;
+        }
+}
+
+/* A stack's bases of one layer: per group, B [KVH, r, D] stored as fp32, int8 or bf16 (``kind``) at the
+ * address b[i], an optional fp32 scale [KVH, r] per component (scale[i], 0 for none) and an optional
+ * rotation of its D axis by rotate-half tables cos[i], sin[i] [D] (0 for none). kind 3: B is the
+ * identity (r == D), rotated or not. */
+enum { B_F32 = 0, B_I8 = 1, B_BF16 = 2, B_EYE = 3 };
+
+static inline float basis_at(int kind, const void *b, size_t at) {
+    if (kind == B_I8) return (float)((const int8_t *)b)[at];
+    if (kind == B_BF16) {
+        union { uint32_t i; float f; } v = { .i = (uint32_t)((const uint16_t *)b)[at] << 16 };
+        return v.f;
+    }
+    return ((const float *)b)[at];
+}
+
+/* qb [NB, KVH, G*n, r]: qb[i, h, x, t] = q[h, x] . B_i[h, t]. A rotated basis is applied as the query
+ * rotated back: q . rotate(b) == rotate^T(q) . b. */
+void vd_basis_queries(int nb, int kvh, int gn, int r, int d, const float *qg, int kind, const int64_t *b,
+                      const int64_t *scale, const int64_t *cos, const int64_t *sin, float *qb) {
+    float qt[MAX_ROWS * 256], row[256];
+    int half = d / 2;
+    for (int i = 0; i < nb; i++)
+        for (int h = 0; h < kvh; h++) {
+            const float *q = qg + (size_t)h * gn * d;
+            for (int x = 0; x < gn; x++) {
+                const float *qx = q + (size_t)x * d;
+                float *o = qt + (size_t)x * d;
+                if (cos[i]) {
+                    const float *c = (const float *)cos[i], *s = (const float *)sin[i];
+                    for (int t = 0; t < half; t++) o[t] = qx[t] * c[t] + qx[t + half] * s[t + half];
+                    for (int t = half; t < d; t++) o[t] = qx[t] * c[t] - qx[t - half] * s[t - half];
+                } else {
+                    memcpy(o, qx, sizeof(float) * d);
+                }
+            }
+            float *out = qb + ((size_t)i * kvh + h) * gn * r;
+            if (kind == B_EYE) {
+                for (int x = 0; x < gn; x++) memcpy(out + (size_t)x * r, qt + (size_t)x * d, sizeof(float) * d);
+                continue;
+            }
+            const float *sc = scale[i] ? (const float *)scale[i] + (size_t)h * r : NULL;
+            for (int t = 0; t < r; t++) {
+                size_t at = ((size_t)h * r + t) * d;
+                for (int e = 0; e < d; e++) row[e] = basis_at(kind, (const void *)b[i], at + e);
+                for (int x = 0; x < gn; x++) {
+                    float v = dot(qt + (size_t)x * d, row, d);
+                    out[(size_t)x * r + t] = sc ? v * sc[t] : v;
+                }
+            }
+        }
+}
+
+/* out [KVH, G*n, D] += sum over groups i and components t of pu[i, h, x, t] * B_i[h, t] (value bases:
+ * not rotated). */
+void vd_basis_values(int nb, int kvh, int gn, int r, int d, const float *pu, int kind, const int64_t *b,
+                     const int64_t *scale, float *out) {
+    float row[256];
+    for (int i = 0; i < nb; i++)
+        for (int h = 0; h < kvh; h++) {
+            const float *p = pu + ((size_t)i * kvh + h) * gn * r;
+            float *o = out + (size_t)h * gn * d;
+            if (kind == B_EYE) {
+                for (int x = 0; x < gn; x++)
+                    for (int e = 0; e < d; e++) o[(size_t)x * d + e] += p[(size_t)x * r + e];
+                continue;
+            }
+            const float *sc = scale[i] ? (const float *)scale[i] + (size_t)h * r : NULL;
+            for (int t = 0; t < r; t++) {
+                size_t at = ((size_t)h * r + t) * d;
+                float s = sc ? sc[t] : 1.0f;
+                for (int e = 0; e < d; e++) row[e] = basis_at(kind, (const void *)b[i], at + e) * s;
+                for (int x = 0; x < gn; x++) {
+                    float w = p[(size_t)x * r + t], *ox = o + (size_t)x * d;
+#pragma omp simd
+                    for (int e = 0; e < d; e++) ox[e] += w * row[e];
+                }
+            }
         }
 }

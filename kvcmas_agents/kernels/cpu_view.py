@@ -36,7 +36,10 @@ _SIGNATURES = {
     "vd_lowrank_scores": [_I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I],
     "vd_softmax_pv": [_I, _I, _I, _I, _I, _F, _P, _P, _P, _P],
     "vd_lowrank_values": [_I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P],
+    "vd_basis_queries": [_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P],
+    "vd_basis_values": [_I, _I, _I, _I, _I, _P, _I, _P, _P, _P],
 }
+_KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
 
 
 def _cache_dir() -> Path:
@@ -83,6 +86,16 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def status(device: torch.device, dtype: torch.dtype) -> str:
+    """What serves decode-sized attention on this device and cache dtype: "compiled" (these loops, built
+    here on first use) or "torch: <why not>" on CPU; "" elsewhere."""
+    if device.type != "cpu":
+        return ""
+    if dtype != torch.float32:
+        return f"torch: the compiled loops are fp32, the cache is {str(dtype).replace('torch.', '')}"
+    return "compiled" if load() is not None else f"torch: {unavailable()}"
+
+
 def unavailable() -> str | None:
     """Why ``load`` returned None (after it was called), else None."""
     return _why
@@ -124,6 +137,27 @@ class Coeffs:
                 _ptr(self.channels), _ptr(self.row_state), 0 if self.channels is None else self.channels.shape[1])
 
 
+def heads_out(out: torch.Tensor, n: int) -> torch.Tensor:
+    """[KVH, G*n, D] (rows g*n + i) -> [n, H, D]."""
+    kvh, gn, dim = out.shape
+    return out.view(kvh, gn // n, n, dim).permute(2, 0, 1, 3).reshape(n, gn // n * kvh, dim)
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the loops can serve q [n, H, D] over this cache: CPU, fp32, sizes within their buffers,
+    and built here."""
+    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and q.shape[-1] <= MAX_RANK and q.shape[1] // k_cache.shape[1] * q.shape[0] <= MAX_ROWS
+            and load() is not None)
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Causal attention of the last n positions q [n, H, D] over k/v_cache[slots], read in place."""
+    s = scores(q.contiguous(), k_cache, slots, None, None, None)
+    return heads_out(softmax_pv(q.shape[0], s, scale, v_cache, slots), q.shape[0])
+
+
 def lowrank_scores(scores_: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, qb: torch.Tensor,
                    u: Coeffs) -> None:
     """scores[h, :, rows[j]] += qb[group[j], h] . U[h, j] in place."""
@@ -149,3 +183,44 @@ def lowrank_values(probs: torch.Tensor, rows: torch.Tensor, group: torch.Tensor,
     pu = probs.new_zeros(groups, kvh, gn, args[0])
     load().vd_lowrank_values(kvh, gn, ctx, _ptr(probs), rows.numel(), _ptr(rows), _ptr(group), *args, _ptr(pu))
     return pu
+
+
+@dataclass
+class Bases:
+    """A stack's bases of one layer for the loops: per group B [KVH, r, D] (fp32, int8 or bf16, all alike;
+    None for the identity), optional fp32 component scales [KVH, r] and optional rotate-half tables [D]
+    of its D axis. Holds the tensors it points at."""
+
+    b: list[torch.Tensor | None]
+    scale: list[torch.Tensor | None]
+    cos: list[torch.Tensor | None]
+    sin: list[torch.Tensor | None]
+
+    def __post_init__(self) -> None:
+        first = self.b[0]
+        self.kind = 3 if first is None else _KINDS[first.dtype]
+        self.rank = None if first is None else first.shape[1]
+        addr = lambda ts: torch.tensor([0 if t is None else t.data_ptr() for t in ts], dtype=torch.int64)  # noqa: E731
+        self._b, self._scale, self._cos, self._sin = addr(self.b), addr(self.scale), addr(self.cos), addr(self.sin)
+
+    @staticmethod
+    def supports(b: torch.Tensor | None) -> bool:
+        return b is None or (b.dtype in _KINDS and b.is_contiguous())
+
+
+def basis_queries(qg: torch.Tensor, bases: Bases) -> torch.Tensor:
+    """qb [NB, KVH, G*n, r] = qg [KVH, G*n, D] . B_i^T for each group's basis."""
+    kvh, gn, d = qg.shape
+    r = d if bases.rank is None else bases.rank
+    qb = qg.new_empty(len(bases.b), kvh, gn, r)
+    qg = qg.contiguous()              # held here while the loops read it
+    load().vd_basis_queries(len(bases.b), kvh, gn, r, d, _ptr(qg), bases.kind, _ptr(bases._b),
+                            _ptr(bases._scale), _ptr(bases._cos), _ptr(bases._sin), _ptr(qb))
+    return qb
+
+
+def basis_values(pu: torch.Tensor, bases: Bases, out: torch.Tensor) -> None:
+    """out [KVH, G*n, D] += sum over groups of pu[i] [KVH, G*n, r] . B_i, in place."""
+    nb, kvh, gn, r = pu.shape
+    load().vd_basis_values(nb, kvh, gn, r, out.shape[-1], _ptr(pu), bases.kind, _ptr(bases._b), _ptr(bases._scale),
+                           _ptr(out))

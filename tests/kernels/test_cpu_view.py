@@ -32,7 +32,7 @@ def _view(kind: str, kv_heads: int, head_dim: int, layers: int, segments: int, k
         states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, Format(torch.int8, int8_basis=True, u8=4))
     else:
         fmt = {"int8": Format(torch.int8, int8_basis=True), "rows": Format(torch.int8, value_bits=4, key_bits=4),
-               "float": Format(None)}[kind]
+               "float": Format(None), "bf16": Format(torch.int8)}[kind]
         states = [compress(dk, dk.flip(-1), r, 8, fmt) for dk, r in zip(dks, rows)]
     pieces = [OwnPiece(torch.arange(0, 10), torch.arange(10))]
     for i, state in enumerate(states):
@@ -43,7 +43,7 @@ def _view(kind: str, kv_heads: int, head_dim: int, layers: int, segments: int, k
     return pieces, view, k_cache, v_cache, realigner, 10 + 30 * segments
 
 
-@pytest.mark.parametrize("kind", ["int8", "rows", "float", "joint"])
+@pytest.mark.parametrize("kind", ["int8", "rows", "float", "bf16", "joint"])
 @pytest.mark.parametrize("queries", [1, 3, 8])
 @pytest.mark.parametrize("keep", [False, True])
 def test_compiled_loops_match_the_torch_path_and_the_reference(monkeypatch, kind, queries, keep):
@@ -63,6 +63,8 @@ def test_compiled_loops_match_the_torch_path_and_the_reference(monkeypatch, kind
         assert torch.allclose(out, torch_path, atol=2e-6), (out - torch_path).abs().max()
         assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
     assert len(served) == layers            # the compiled loops served every layer (13 deltas: keys rotated)
+    # and read every stack's bases themselves, whatever their storage
+    assert view.stacks and all(b is not None for st in view.stacks for b in st.bases.values())
     # Not vacuous: a view without the corrections attends differently.
     plain = replace(view, stacks=[])
     assert not torch.allclose(gathered_attention(q, plain, k_cache, v_cache, 1, head_dim ** -0.5), out, atol=1e-4)
@@ -91,3 +93,35 @@ def test_without_a_compiler_the_torch_path_serves_and_says_why(monkeypatch, tmp_
     out = gathered_attention(q, view, k_cache, v_cache, 0, 0.125)
     ref = view_attention(q, torch.tensor([n - 1]), pieces, k_cache, v_cache, 0, 0.125, realigner)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("queries", [1, 3, 8])
+def test_plain_paged_attention_by_the_loops_matches_sdpa(queries):
+    from kvcmas_agents.model.attention import sdpa
+    g = torch.Generator().manual_seed(queries)
+    k_cache, v_cache = torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
+    slots = torch.randperm(300, generator=g)[:120]
+    q = torch.randn(queries, 9, 64, generator=g)
+    out = cpu_view.attention(q, k_cache, v_cache, slots, 0.125)
+    want = sdpa(q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), 0.125)
+    assert torch.allclose(out, want, atol=2e-6), (out - want).abs().max()
+
+
+async def test_the_engine_decodes_plain_kv_with_the_loops_and_says_so(monkeypatch):
+    """Greedy decode through the loops gives the tokens torch's attention gives; stats name the loops."""
+    from kvcmas_agents import Engine, EngineConfig, SamplingParams
+    from kvcmas_agents.engine import paged_attention
+
+    messages = [{"role": "user", "content": "Count from one to ten, in words."}]
+    tokens, loops = [], []
+    for on in (True, False):
+        monkeypatch.setattr(paged_attention, "PLAIN_LOOPS", on)
+        engine = Engine(EngineConfig(model=None, device="cpu", reuse="prefix", num_threads=1))
+        try:
+            out = await engine.generate(messages, sampling=SamplingParams(max_tokens=12, ignore_eos=True))
+            tokens.append(out.token_ids)
+            loops.append(engine.stats()["engine"]["attention_loops"])
+        finally:
+            await engine.aclose()
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 12
+    assert loops[0] == "compiled"

@@ -15,7 +15,6 @@ from typing import Protocol
 import torch
 
 from ... import kernels
-from ...kernels import cpu_view
 from ..realign import Realigner
 from .gather import GatheredView, build_gathered
 from .pack import pack_view, packed_attention, self_check
@@ -75,16 +74,6 @@ def choose_view_path(path: str, realigner: Realigner, kv_heads: int, heads: int,
     return resolved, None
 
 
-def view_loops(path: str, device: torch.device, dtype: torch.dtype) -> str:
-    """What serves few queries over a view on the "gather" path: "compiled" (``kernels.cpu_view``,
-    built here on first use) or "torch" with why not; "" for the other paths."""
-    if path != "gather" or device.type != "cpu":
-        return ""
-    if dtype != torch.float32:
-        return f"torch: the compiled loops are fp32, the cache is {str(dtype).replace('torch.', '')}"
-    return "compiled" if cpu_view.load() is not None else f"torch: {cpu_view.unavailable()}"
-
-
 def build_view(path: str, pieces: list, realigner: Realigner, device: torch.device, dtype: torch.dtype) -> View:
     """The view of ``pieces`` that ``path`` ("gather", "query" or "triton") attends over."""
     if path == "gather":
@@ -95,5 +84,4 @@ def build_view(path: str, pieces: list, realigner: Realigner, device: torch.devi
 
 
 __all__ = ["VIEW_PATHS", "GatheredView", "OwnPiece", "PackedView", "PieceView", "SegmentPiece", "View",
-           "build_gathered", "build_view", "choose_view_path", "resolve_view_path", "view_attention",
-           "view_loops"]
+           "build_gathered", "build_view", "choose_view_path", "resolve_view_path", "view_attention"]

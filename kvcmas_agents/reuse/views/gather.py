@@ -98,8 +98,10 @@ class Stack:
         return self._row_group[:self.ends[groups - 1]]
 
     _row_group: torch.Tensor | None = None
-    # (side, groups, layer) -> the kept codes as the compiled loops take them (views of ``unpacked``)
+    # (side, groups, layer) -> the kept codes as the compiled loops take them (views of ``unpacked``),
+    # and the bases as they read them (pointers to the stored ones)
     compiled: dict[tuple[int, int, int], cpu_view.Coeffs] = field(default_factory=dict)
+    bases: dict[tuple[int, int, int], cpu_view.Bases | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -123,6 +125,7 @@ class GatheredView:
     # Keep unpacked codes for later steps (``Stack.coefficients``): set on a request's view kept for its
     # decode; views built for one call leave it off.
     keep: bool = False
+    widest: int | None = None       # the widest rank the compiled loops would read (once known)
 
     def kept_bytes(self) -> int:
         """Bytes of unpacked codes this view keeps (``keep``)."""
@@ -305,17 +308,18 @@ COMPILED = True
 
 def _compiled(q: torch.Tensor, view: GatheredView, k_cache: torch.Tensor) -> bool:
     """Whether the compiled CPU loops can serve this attention."""
-    return (COMPILED and q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32
-            and k_cache.is_contiguous() and q.shape[1] // k_cache.shape[1] * q.shape[0] <= cpu_view.MAX_ROWS and all(g[0][0].rank <= cpu_view.MAX_RANK and g[2][0].rank <= cpu_view.MAX_RANK
-                                                for st in view.stacks for g in st.groups)
-            and cpu_view.load() is not None)
+    if not (COMPILED and cpu_view.usable(q, k_cache)):
+        return False
+    if view.widest is None:
+        view.widest = max([0] + [u.rank for st in view.stacks for g in st.groups for u in (g[0][0], g[2][0])])
+    return view.widest <= cpu_view.MAX_RANK
 
 
 def _compiled_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         layer: int, scale: float) -> torch.Tensor:
     """``_lowrank_attention`` by the compiled CPU loops: keys and values read in place from the cache,
     every reused key realigned by rotating the query (any number of deltas), the low-rank terms summed
-    row by row from the kept codes; only each stack's bases go through torch (q . B_k and pu . B_v)."""
+    in blocks of rows from the kept codes and the stored bases."""
     q = q.contiguous()
     n, heads, dim = q.shape
     kvh = k_cache.shape[1]
@@ -329,19 +333,44 @@ def _compiled_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tens
         if not active:
             continue
         rows, group, gs = st.rows[:st.ends[active - 1]], st.row_groups(active), st.groups[:active]
-        bases = [gr[1] for gr in gs]
-        if all(b.plain_identity for b in bases):
+        bases, packed = [gr[1] for gr in gs], _compiled_bases(st, 0, active, layer)
+        if packed is not None:
+            qb = cpu_view.basis_queries(qg, packed)                                   # [NB, KVH, G*n, r]
+        elif all(b.plain_identity for b in bases):
             qb = qg.expand(active, *qg.shape).contiguous()
         else:
-            qb = (qg @ Basis.stacked(bases, layer, q.dtype).transpose(-1, -2)).contiguous()   # [NB, KVH, G*n, r]
+            qb = (qg @ Basis.stacked(bases, layer, q.dtype).transpose(-1, -2)).contiguous()
         cpu_view.lowrank_scores(scores, rows, group, qb, _compiled_coeffs(st, 0, active, layer, view.keep))
         parts.append((st, active, rows, group, gs))
     out = cpu_view.softmax_pv(n, scores, scale, v_cache, view.slots)               # scores become probs
     for st, active, rows, group, gs in parts:
         pu = cpu_view.lowrank_values(scores, rows, group, active, _compiled_coeffs(st, 2, active, layer, view.keep))
-        bases = [gr[3] for gr in gs]
-        out += pu.sum(0) if all(b.plain_identity for b in bases) else (pu @ Basis.stacked(bases, layer, q.dtype)).sum(0)
-    return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+        bases, packed = [gr[3] for gr in gs], _compiled_bases(st, 2, active, layer)
+        if packed is not None:
+            cpu_view.basis_values(pu, packed, out)
+        else:
+            out += pu.sum(0) if all(b.plain_identity for b in bases) else (pu @ Basis.stacked(bases, layer, q.dtype)).sum(0)
+    return cpu_view.heads_out(out, n)
+
+
+def _compiled_bases(st: Stack, side: int, active: int, layer: int) -> cpu_view.Bases | None:
+    """A stack's bases of one side (0 keys, 2 values) and layer as the compiled loops read them, in
+    place (kept with the stack: pointers, no copies); None where they cannot (a basis stored otherwise,
+    one that leaves the layer out, a rotated value basis), and torch reads them."""
+    key = (side, active, layer)
+    if key in st.bases:
+        return st.bases[key]
+    packed = None
+    bases = [g[side + 1] for g in st.groups[:active]]
+    if all(b.first <= layer and (side == 0 or b.cos is None) and not (b.identity and b.scale is not None)
+           for b in bases):
+        f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()     # noqa: E731
+        stored = [None if b.identity else b.b[layer - b.first] for b in bases]
+        scales = [None if b.scale is None else f32(b.scale[layer - b.first]) for b in bases]
+        if all(cpu_view.Bases.supports(t) for t in stored) and len({None if t is None else t.dtype for t in stored}) == 1:
+            packed = cpu_view.Bases(stored, scales, [f32(b.cos) for b in bases], [f32(b.sin) for b in bases])
+    st.bases[key] = packed
+    return packed
 
 
 def _compiled_coeffs(st: Stack, side: int, active: int, layer: int, keep: bool) -> cpu_view.Coeffs:
