@@ -49,6 +49,16 @@ def _cache_dir() -> Path:
     return root.expanduser() / "kernels"
 
 
+def _cpu() -> str:
+    """What -march=native builds for: a library built on one CPU is not loaded on another that shares
+    the cache."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
 def _build(target: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -71,7 +81,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("KVCMAS_NO_CPU_KERNEL"):
         _why = "KVCMAS_NO_CPU_KERNEL is set"
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + platform.machine().encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu().encode())
     target = _cache_dir() / f"cpu_view-{key.hexdigest()[:12]}.so"
     try:
         if not target.exists():
