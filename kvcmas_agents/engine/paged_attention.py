@@ -9,7 +9,7 @@ import torch
 
 from ..cache.kv_store import KVStore
 from ..kernels import cpu_view
-from ..model.attention import SMALL_QUERY, sdpa
+from ..model.attention import SMALL_QUERY, sdpa, ungroup
 
 # Few queries over plain paged KV on CPU in fp32 take the compiled loops (``kernels.cpu_view``: keys and
 # values read in place, no gather) where they built; off only to measure what they buy.
@@ -38,7 +38,7 @@ class PagedAttention:
         if s.view is not None:
             return s.view.attend(q, s.q_positions, kc, vc, layer, self.scale)
         if PLAIN_LOOPS and q.shape[0] <= SMALL_QUERY and cpu_view.usable(q, kc):
-            return cpu_view.attention(q, kc, vc, s.gather, self.scale)
+            return ungroup(cpu_view.attention(q, kc, vc, s.gather, self.scale), q.shape[0])
         return sdpa(q, kc.index_select(0, s.gather), vc.index_select(0, s.gather), self.scale)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -147,12 +147,6 @@ class Coeffs:
                 _ptr(self.channels), _ptr(self.row_state), 0 if self.channels is None else self.channels.shape[1])
 
 
-def heads_out(out: torch.Tensor, n: int) -> torch.Tensor:
-    """[KVH, G*n, D] (rows g*n + i) -> [n, H, D]."""
-    kvh, gn, dim = out.shape
-    return out.view(kvh, gn // n, n, dim).permute(2, 0, 1, 3).reshape(n, gn // n * kvh, dim)
-
-
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the loops can serve q [n, H, D] over this cache: CPU, fp32, sizes within their buffers,
     and built here."""
@@ -163,9 +157,9 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
               scale: float) -> torch.Tensor:
-    """Causal attention of the last n positions q [n, H, D] over k/v_cache[slots], read in place."""
-    s = scores(q.contiguous(), k_cache, slots, None, None, None)
-    return heads_out(softmax_pv(q.shape[0], s, scale, v_cache, slots), q.shape[0])
+    """Causal attention of the last n positions q [n, H, D] over k/v_cache[slots], read in place; the
+    output [KVH, G*n, D] with row g*n + i for query i of group head g."""
+    return softmax_pv(q.shape[0], scores(q.contiguous(), k_cache, slots, None, None, None), scale, v_cache, slots)
 
 
 def lowrank_scores(scores_: torch.Tensor, rows: torch.Tensor, group: torch.Tensor, qb: torch.Tensor,

@@ -13,21 +13,32 @@ import torch.nn.functional as F
 SMALL_QUERY = 8
 
 
+def group_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [n, H, D] -> [KVH, G*n, D], row g*n + i for query i of group head g (GQA as matmuls)."""
+    n, heads, d = q.shape
+    g = heads // kv_heads
+    return q.view(n, kv_heads, g, d).permute(1, 2, 0, 3).reshape(kv_heads, g * n, d)
+
+
+def ungroup(out: torch.Tensor, n: int) -> torch.Tensor:
+    """``group_queries``'s layout back: [KVH, G*n, D] -> [n, H, D]."""
+    kv_heads, rows, d = out.shape
+    return out.view(kv_heads, rows // n, n, d).permute(2, 0, 1, 3).reshape(n, rows // n * kv_heads, d)
+
+
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                       visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention as matmuls over KV-head groups (no K/V expansion): q [n, H, D], k/v [ctx, KVH, D],
     ``visible`` [n, ctx] (None: every key). Returns the output [n, H, D] and the probabilities
     [KVH, G, n, ctx]."""
-    n, heads, d = q.shape
+    n, heads, _ = q.shape
     ctx, kvh = k.shape[0], k.shape[1]
     g = heads // kvh
-    qg = q.view(n, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * n, d)
-    scores = ((qg @ k.permute(1, 2, 0)) * scale).view(kvh, g, n, ctx)
+    scores = ((group_queries(q, kvh) @ k.permute(1, 2, 0)) * scale).view(kvh, g, n, ctx)
     if visible is not None:
         scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = (probs.view(kvh, g * n, ctx) @ v.transpose(0, 1)).view(kvh, g, n, d).permute(2, 0, 1, 3)
-    return out.reshape(n, heads, d), probs
+    return ungroup(probs.view(kvh, g * n, ctx) @ v.transpose(0, 1), n), probs
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

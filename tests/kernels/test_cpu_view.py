@@ -97,12 +97,12 @@ def test_without_a_compiler_the_torch_path_serves_and_says_why(monkeypatch, tmp_
 
 @pytest.mark.parametrize("queries", [1, 3, 8])
 def test_plain_paged_attention_by_the_loops_matches_sdpa(queries):
-    from kvcmas_agents.model.attention import sdpa
+    from kvcmas_agents.model.attention import sdpa, ungroup
     g = torch.Generator().manual_seed(queries)
     k_cache, v_cache = torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
     slots = torch.randperm(300, generator=g)[:120]
     q = torch.randn(queries, 9, 64, generator=g)
-    out = cpu_view.attention(q, k_cache, v_cache, slots, 0.125)
+    out = ungroup(cpu_view.attention(q, k_cache, v_cache, slots, 0.125), queries)
     want = sdpa(q, k_cache.index_select(0, slots), v_cache.index_select(0, slots), 0.125)
     assert torch.allclose(out, want, atol=2e-6), (out - want).abs().max()
 

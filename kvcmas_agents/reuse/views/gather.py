@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ...kernels import cpu_view
-from ...model.attention import grouped_attention, sdpa
+from ...model.attention import group_queries, grouped_attention, sdpa, ungroup
 from ...model.rope import rotate, rotate_, signed_sin
 from ..realign import Realigner
 from ..storage.lowrank import Basis, Coeffs, KeptCodes
@@ -273,10 +273,10 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
     output += (P[:, rows] . U_v) . B_v, over realigned home keys (the kernel's math, batched per basis)."""
     query_side = _query_side(view, q.shape[0])
     k, v = gathered_kv(view, k_cache, v_cache, layer, corrected=False, realigned=not query_side)
-    n, heads, dim = q.shape
+    n, heads, _ = q.shape
     ctx, kvh = k.shape[0], k.shape[1]
     g = heads // kvh
-    qg = q.view(n, kvh, g, dim).permute(1, 2, 0, 3).reshape(kvh, g * n, dim)
+    qg = group_queries(q, kvh)
     scores = _realigned_scores(qg, k, view) if query_side else qg @ k.permute(1, 2, 0)    # [KVH, G*n, ctx]
     parts = []
     for st in view.stacks:
@@ -298,7 +298,7 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
         # (on 2-D: index_select over the last of three dims took ten times as long on CPU)
         picked = probs.view(-1, ctx).index_select(1, rows).view(kvh, g * n, -1)
         out += _lowrank_values(picked, uv, [g[3] for g in gs], spans, layer)
-    return out.view(kvh, g, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+    return ungroup(out, n)
 
 
 # Few queries over a view on CPU in fp32 take the compiled loops (``kernels.cpu_view``) where they built;
@@ -321,12 +321,10 @@ def _compiled_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tens
     every reused key realigned by rotating the query (any number of deltas), the low-rank terms summed
     in blocks of rows from the kept codes and the stored bases."""
     q = q.contiguous()
-    n, heads, dim = q.shape
-    kvh = k_cache.shape[1]
-    g = heads // kvh
+    n, kvh = q.shape[0], k_cache.shape[1]
     rotated = view.cos.shape[0] > 0
     scores = cpu_view.scores(q, k_cache, view.slots, view.key_class if rotated else None, view.q_cos, view.q_sin)
-    qg = q.view(n, kvh, g, dim).permute(1, 2, 0, 3).reshape(kvh, g * n, dim)
+    qg = group_queries(q, kvh)
     parts = []
     for st in view.stacks:
         active = st.active(layer)
@@ -350,7 +348,7 @@ def _compiled_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tens
             cpu_view.basis_values(pu, packed, out)
         else:
             out += pu.sum(0) if all(b.plain_identity for b in bases) else (pu @ Basis.stacked(bases, layer, q.dtype)).sum(0)
-    return cpu_view.heads_out(out, n)
+    return ungroup(out, n)
 
 
 def _compiled_bases(st: Stack, side: int, active: int, layer: int) -> cpu_view.Bases | None:
@@ -364,11 +362,10 @@ def _compiled_bases(st: Stack, side: int, active: int, layer: int) -> cpu_view.B
     bases = [g[side + 1] for g in st.groups[:active]]
     if all(b.first <= layer and (side == 0 or b.cos is None) and not (b.identity and b.scale is not None)
            for b in bases):
-        f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()     # noqa: E731
         stored = [None if b.identity else b.b[layer - b.first] for b in bases]
-        scales = [None if b.scale is None else f32(b.scale[layer - b.first]) for b in bases]
+        scales = [None if b.scale is None else _f32(b.scale[layer - b.first]) for b in bases]
         if all(cpu_view.Bases.supports(t) for t in stored) and len({None if t is None else t.dtype for t in stored}) == 1:
-            packed = cpu_view.Bases(stored, scales, [f32(b.cos) for b in bases], [f32(b.sin) for b in bases])
+            packed = cpu_view.Bases(stored, scales, [_f32(b.cos) for b in bases], [_f32(b.sin) for b in bases])
     st.bases[key] = packed
     return packed
 
@@ -383,11 +380,15 @@ def _compiled_coeffs(st: Stack, side: int, active: int, layer: int, keep: bool) 
     if kept is None:
         u = Coeffs.joined(st.coeffs(side, active), layer, torch.float32)
         return cpu_view.Coeffs(u.transpose(1, 2).contiguous())
-    f32 = lambda t: None if t is None else t.to(torch.float32).contiguous()      # noqa: E731
-    scale = None if kept.scale is None else f32(kept.scale).view(kept.codes.shape[:2])
-    c = st.compiled[key] = cpu_view.Coeffs(kept.codes.transpose(1, 2).contiguous(), scale, f32(kept.channels),
+    scale = None if kept.scale is None else _f32(kept.scale).view(kept.codes.shape[:2])
+    c = st.compiled[key] = cpu_view.Coeffs(kept.codes.transpose(1, 2).contiguous(), scale, _f32(kept.channels),
                                            None if kept.row_state is None else kept.row_state.to(torch.int32).contiguous())
     return c
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t as the compiled loops read it: fp32, contiguous (t itself when it already is)."""
+    return None if t is None else t.to(torch.float32).contiguous()
 
 
 def _coefficients(us: list[Coeffs], layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
