@@ -1,4 +1,4 @@
-/* Decode-sized attention over a corrected view on CPU, fp32, one thread.
+/* Decode-sized attention over a corrected view on CPU, fp32, on torch's threads.
  *
  * The torch gather path spends most of a decode step over a corrected view in small ops (about 40 a
  * layer): gathering keys, rotating reused ones, and the low-rank terms of each group of corrections.
@@ -10,14 +10,27 @@
  *   vd_softmax_pv      probs = softmax(scale * scores) (causal for n > 1); out = probs . v
  *   vd_lowrank_values  pu[group, h, x] += probs[h, x, row] * U_v[h, row]
  *   vd_basis_values    out[h, x] += pu[i, h, x] . B_v,i[h]
+ *   vd_view_attention  all of the above for one layer in one call (a table of the view's stacks), so a
+ *                      decode step pays one call a layer, not six per stack
  *
  * Layouts: q [n, KVH*G, D]; caches [slots, KVH, D]; scores/probs [KVH, G*n, ctx] with row g*n + i for
- * query i of group head g; U transposed, [KVH, r, R]. One thread: a second OpenMP team beside torch's
- * would make every parallel region of the process sleep and wake.
+ * query i of group head g; U transposed, [KVH, r, R].
+ *
+ * Threads: built with -fopenmp only where the process's OpenMP runtime is the libgomp torch already
+ * loaded (cpu_view.py checks), so these loops share torch's thread team; a second team beside it would
+ * make every parallel region of the process sleep and wake. Work is split so that no two threads add
+ * into one sum: results do not depend on scheduling (only, in the last bits, on the thread count).
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_thread_num(void) { return 0; }
+static inline int omp_get_num_threads(void) { return 1; }
+#endif
 
 #define MAX_RANK 256        /* the caller checks r <= MAX_RANK and G * n <= MAX_ROWS */
 #define MAX_ROWS 64
@@ -78,10 +91,10 @@ static void rotate(float *out, const float *x, const float *cs, const float *sn,
 /* The key loop of vd_scores; inlined with d a constant for the usual head sizes, so that the products
  * unroll into whole vectors with no remainder handling. */
 static inline __attribute__((always_inline)) void score_keys(int kvh, int gn, const int d, const float *kc,
-                                                             int ctx, const int64_t *slots,
+                                                             int ctx, int j0, int j1, const int64_t *slots,
                                                              const int64_t *key_class, const float *qr,
                                                              float *scores) {
-    for (int j = 0; j < ctx; j++) {
+    for (int j = j0; j < j1; j++) {
         const float *k = kc + (size_t)slots[j] * kvh * d;
         int c = key_class ? (int)key_class[j] : 0;
         for (int h = 0; h < kvh; h++)
@@ -89,10 +102,12 @@ static inline __attribute__((always_inline)) void score_keys(int kvh, int gn, co
     }
 }
 
+#define KEYS 256            /* keys per share of the scores among threads */
+
 /* qr [C, KVH, G*n, D] scratch; classes == 0 means no realignment (key_class and tables unused). */
 void vd_scores(int n, int kvh, int g, int d, const float *q, const float *kc, int ctx, const int64_t *slots,
                const int64_t *key_class, int classes, const float *qcos, const float *qsin, float *qr,
-               float *scores) {
+               float *scores, int threads) {
     int gn = g * n, c_count = classes > 0 ? classes : 1;
     for (int c = 0; c < c_count; c++)
         for (int h = 0; h < kvh; h++)
@@ -104,9 +119,14 @@ void vd_scores(int n, int kvh, int g, int d, const float *q, const float *kc, in
                     else memcpy(dst, src, sizeof(float) * d);
                 }
     const int64_t *kcls = classes > 0 ? key_class : NULL;
-    if (d == 64) score_keys(kvh, gn, 64, kc, ctx, slots, kcls, qr, scores);
-    else if (d == 128) score_keys(kvh, gn, 128, kc, ctx, slots, kcls, qr, scores);
-    else score_keys(kvh, gn, d, kc, ctx, slots, kcls, qr, scores);
+    int blocks = (ctx + KEYS - 1) / KEYS;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && blocks > 1)
+    for (int b = 0; b < blocks; b++) {
+        int j0 = b * KEYS, j1 = j0 + KEYS < ctx ? j0 + KEYS : ctx;
+        if (d == 64) score_keys(kvh, gn, 64, kc, ctx, j0, j1, slots, kcls, qr, scores);
+        else if (d == 128) score_keys(kvh, gn, 128, kc, ctx, j0, j1, slots, kcls, qr, scores);
+        else score_keys(kvh, gn, d, kc, ctx, j0, j1, slots, kcls, qr, scores);
+    }
 }
 
 /* A stack's U, stored transposed [KVH, r, R] so that the loops run along rows (no horizontal sums):
@@ -160,16 +180,35 @@ static void run_queries(const coeffs_t *c, const float *qb, int h, int j, int gn
                                 (c->chan ? c->chan[((size_t)h * c->states + c->state[j]) * c->r + t] : 1.0f);
 }
 
+/* The runs of rows (``run_end``) as [start, end) pairs in runs [2 * count]; returns count. */
+static int runs_of(const coeffs_t *c, const int32_t *group, int *runs) {
+    int count = 0;
+    for (int a = 0; a < c->nrows; a = runs[2 * count - 1]) {
+        runs[2 * count] = a;
+        runs[2 * count + 1] = run_end(c, group, a);
+        count++;
+    }
+    return count;
+}
+
 /* One stack: rows [R] of the view, their group [R], U_k, qb [groups, KVH, G*n, r]:
- * scores[h, x, rows[j]] += qb[group[j], h, x] . U_k[h, j]. */
+ * scores[h, x, rows[j]] += qb[group[j], h, x] . U_k[h, j]. Each (head, run) is one thread's, its terms
+ * written by position in rows, then added into the scores in order (a row corrected by a chain of
+ * groups appears in several runs). */
 void vd_lowrank_scores(int kvh, int gn, int ctx, float *scores, int nrows, const int64_t *rows,
                        const int32_t *group, int r, const float *qb, const float *uf, const int8_t *u8,
-                       const float *scale, const float *chan, const int32_t *state, int states) {
+                       const float *scale, const float *chan, const int32_t *state, int states, int threads) {
     coeffs_t c = {uf, u8, scale, chan, state, nrows, r, states};
-    float qc[MAX_ROWS * MAX_RANK], u[MAX_RANK * BLOCK];
-    for (int h = 0; h < kvh; h++)
-        for (int a = 0; a < nrows;) {
-            int e = run_end(&c, group, a);
+    int *runs = malloc(sizeof(int) * 2 * (nrows + 1));
+    int count = runs_of(&c, group, runs);
+    float *terms = malloc(sizeof(float) * (size_t)kvh * gn * nrows);
+#pragma omp parallel num_threads(threads) if (threads > 1 && kvh * count > 1)
+    {
+        /* sized to need: small blocks come back from the thread's arena, large ones would be mapped anew */
+        float *qc = malloc(sizeof(float) * (size_t)(gn + BLOCK) * r), *u = qc + (size_t)gn * r;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < kvh * count; item++) {
+            int h = item / count, a = runs[2 * (item % count)], e = runs[2 * (item % count) + 1];
             run_queries(&c, qb + ((size_t)group[a] * kvh + h) * gn * r, h, a, gn, qc);
             for (int j = a; j < e; j += BLOCK) {
                 int len = e - j < BLOCK ? e - j : BLOCK;
@@ -187,21 +226,36 @@ void vd_lowrank_scores(int kvh, int gn, int ctx, float *scores, int nrows, const
                     }
                     float ax[BLOCK];
                     vstore(ax, a0), vstore(ax + 16, a1), vstore(ax + 32, a2), vstore(ax + 48, a3);
-                    float *s = scores + ((size_t)h * gn + x) * ctx;
-                    for (int y = 0; y < len; y++) s[rows[j + y]] += sc ? ax[y] * sc[y] : ax[y];
+                    float *o = terms + ((size_t)h * gn + x) * nrows + j;
+                    for (int y = 0; y < len; y++) o[y] = sc ? ax[y] * sc[y] : ax[y];
                 }
             }
-            a = e;
         }
+        free(qc);
+#pragma omp for schedule(static)
+        for (int hx = 0; hx < kvh * gn; hx++) {     /* after every run's terms (the loop above's barrier) */
+            float *s = scores + (size_t)hx * ctx;
+            const float *o = terms + (size_t)hx * nrows;
+            for (int j = 0; j < nrows; j++) s[rows[j]] += o[j];
+        }
+    }
+    free(terms);
+    free(runs);
 }
 
-/* probs in place of scores; out [KVH, G*n, D]. Query i of n sees keys j <= ctx - n + i. */
+/* probs in place of scores; out [KVH, G*n, D]. Query i of n sees keys j <= ctx - n + i. Threads take
+ * rows of the softmax, then shares of the keys into their own partial outputs, summed in thread order. */
 void vd_softmax_pv(int n, int kvh, int gn, int d, int ctx, float scale, float *scores, const float *vc,
-                   const int64_t *slots, float *out) {
-    for (int h = 0; h < kvh; h++)
-        for (int x = 0; x < gn; x++) {
-            float *p = scores + ((size_t)h * gn + x) * ctx;
-            int seen = ctx - n + (x % n) + 1;
+                   const int64_t *slots, float *out, int threads) {
+    size_t size = (size_t)kvh * gn * d;
+    float *parts = threads > 1 ? malloc(sizeof(float) * size * (threads - 1)) : NULL;
+    int used = 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int row = 0; row < kvh * gn; row++) {
+            float *p = scores + (size_t)row * ctx;
+            int seen = ctx - n + (row % gn % n) + 1;
             float top = -INFINITY;
 #pragma omp simd reduction(max:top)
             for (int j = 0; j < seen; j++) top = p[j] * scale > top ? p[j] * scale : top;
@@ -217,32 +271,47 @@ void vd_softmax_pv(int n, int kvh, int gn, int d, int ctx, float scale, float *s
             for (int j = 0; j < seen; j++) p[j] *= inv;
             for (int j = seen; j < ctx; j++) p[j] = 0.0f;
         }
-    memset(out, 0, sizeof(float) * (size_t)kvh * gn * d);
-    for (int j = 0; j < ctx; j++) {
-        const float *v = vc + (size_t)slots[j] * kvh * d;
-        for (int h = 0; h < kvh; h++) {
-            const float *vh = v + (size_t)h * d;
-            for (int x = 0; x < gn; x++) {
-                float w = scores[((size_t)h * gn + x) * ctx + j];
-                float *o = out + ((size_t)h * gn + x) * d;
+        int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+        if (tid == 0) used = nt;
+        float *o = tid == 0 ? out : parts + size * (tid - 1);
+        memset(o, 0, sizeof(float) * size);
+        int j0 = (int)((long)ctx * tid / nt), j1 = (int)((long)ctx * (tid + 1) / nt);
+        for (int j = j0; j < j1; j++) {
+            const float *v = vc + (size_t)slots[j] * kvh * d;
+            for (int h = 0; h < kvh; h++) {
+                const float *vh = v + (size_t)h * d;
+                for (int x = 0; x < gn; x++) {
+                    float w = scores[((size_t)h * gn + x) * ctx + j];
+                    float *ox = o + ((size_t)h * gn + x) * d;
 #pragma omp simd
-                for (int t = 0; t < d; t++) o[t] += w * vh[t];
+                    for (int t = 0; t < d; t++) ox[t] += w * vh[t];
+                }
             }
         }
     }
+    for (int k = 1; k < used; k++)
+        for (size_t i = 0; i < size; i++) out[i] += parts[size * (k - 1) + i];
+    free(parts);
 }
 
 /* pu [groups, KVH, G*n, r] (zeroed by the caller) += probs of each row times its U_v row. Partial sums
- * are kept LANES wide over a run's rows and summed across at its end. */
+ * are kept LANES wide over a run's rows and summed across at its end. Each (head, run) is one thread's,
+ * into its own slot; the slots are added into pu in order. */
 #define LANES 16
 void vd_lowrank_values(int kvh, int gn, int ctx, const float *probs, int nrows, const int64_t *rows,
                        const int32_t *group, int r, const float *uf, const int8_t *u8, const float *scale,
-                       const float *chan, const int32_t *state, int states, float *pu) {
+                       const float *chan, const int32_t *state, int states, float *pu, int threads) {
     coeffs_t c = {uf, u8, scale, chan, state, nrows, r, states};
-    float pr[BLOCK], u[MAX_RANK * BLOCK], acc[MAX_ROWS * MAX_RANK * LANES];
-    for (int h = 0; h < kvh; h++)
-        for (int a = 0; a < nrows;) {
-            int e = run_end(&c, group, a);
+    int *runs = malloc(sizeof(int) * 2 * (nrows + 1));
+    int count = runs_of(&c, group, runs);
+    float *slots = malloc(sizeof(float) * (size_t)kvh * count * gn * r);
+#pragma omp parallel num_threads(threads) if (threads > 1 && kvh * count > 1)
+    {
+        float *acc = malloc(sizeof(float) * (size_t)(gn * LANES + BLOCK) * r), *u = acc + (size_t)gn * r * LANES;
+        float pr[BLOCK];
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < kvh * count; item++) {
+            int h = item / count, a = runs[2 * (item % count)], e = runs[2 * (item % count) + 1];
             memset(acc, 0, sizeof(float) * gn * r * LANES);
             for (int j = a; j < e; j += BLOCK) {
                 int len = e - j < BLOCK ? e - j : BLOCK;
@@ -261,17 +330,26 @@ void vd_lowrank_values(int kvh, int gn, int ctx, const float *probs, int nrows, 
                     }
                 }
             }
-            float *out = pu + ((size_t)group[a] * kvh + h) * gn * r;
+            float *out = slots + (size_t)item * gn * r;
             const float *ch = chan ? chan + ((size_t)h * states + state[a]) * r : NULL;
             for (int x = 0; x < gn; x++)
                 for (int t = 0; t < r; t++) {
                     const float *av = acc + ((size_t)x * r + t) * LANES;
                     float sum = 0.0f;
                     for (int l = 0; l < LANES; l++) sum += av[l];
-                    out[x * r + t] += ch ? sum * ch[t] : sum;
+                    out[x * r + t] = ch ? sum * ch[t] : sum;
                 }
-            a = e;
         }
+        free(acc);
+    }
+    for (int item = 0; item < kvh * count; item++) {
+        int h = item / count, a = runs[2 * (item % count)];
+        float *out = pu + ((size_t)group[a] * kvh + h) * gn * r;
+        const float *in = slots + (size_t)item * gn * r;
+        for (int i = 0; i < gn * r; i++) out[i] += in[i];
+    }
+    free(slots);
+    free(runs);
 }
 
 /* A stack's bases of one layer: per group, B [KVH, r, D] stored as fp32, int8 or bf16 (``kind``) at the
@@ -352,4 +430,57 @@ void vd_basis_values(int nb, int kvh, int gn, int r, int d, const float *pu, int
                 }
             }
         }
+}
+
+/* One stack of a layer's view as the Python side packs it (``cpu_view.stack_table``): int64 fields,
+ * addresses for pointers (0 for none). */
+enum {
+    S_NROWS, S_ROWS, S_GROUP, S_GROUPS,
+    S_KR, S_KUF, S_KU8, S_KSCALE, S_KCHAN, S_KSTATE, S_KSTATES, S_KBKIND, S_KB, S_KBSCALE, S_KBCOS, S_KBSIN,
+    S_VR, S_VUF, S_VU8, S_VSCALE, S_VCHAN, S_VSTATE, S_VSTATES, S_VBKIND, S_VB, S_VBSCALE,
+    S_FIELDS
+};
+#define AT(st, f, T) ((T)(intptr_t)(st)[f])
+
+/* A decode step's whole attention over a view for one layer in one call: scores with realignment, each
+ * stack's basis products and low-rank score terms, softmax and values, each stack's value terms.
+ * out [KVH, G*n, D]; table [nst, S_FIELDS]. */
+void vd_view_attention(int n, int kvh, int g, int d, const float *q, const float *kc, const float *vc, int ctx,
+                       const int64_t *slots, const int64_t *key_class, int classes, const float *qcos,
+                       const float *qsin, float scale, int nst, const int64_t *table, float *out, int threads) {
+    int gn = g * n;
+    float *qr = malloc(sizeof(float) * (size_t)(classes > 0 ? classes : 1) * kvh * gn * d);
+    float *scores = malloc(sizeof(float) * (size_t)kvh * gn * ctx);
+    vd_scores(n, kvh, g, d, q, kc, ctx, slots, key_class, classes, qcos, qsin, qr, scores, threads);
+    /* qr's first class is the grouped queries themselves (class 0 is not rotated) */
+    for (int i = 0; i < nst; i++) {
+        const int64_t *st = table + (size_t)i * S_FIELDS;
+        int nb = (int)st[S_GROUPS], r = (int)st[S_KR];
+        float *qb = malloc(sizeof(float) * (size_t)nb * kvh * gn * r);
+        vd_basis_queries(nb, kvh, gn, r, d, qr, (int)st[S_KBKIND], AT(st, S_KB, const int64_t *),
+                         AT(st, S_KBSCALE, const int64_t *), AT(st, S_KBCOS, const int64_t *),
+                         AT(st, S_KBSIN, const int64_t *), qb);
+        vd_lowrank_scores(kvh, gn, ctx, scores, (int)st[S_NROWS], AT(st, S_ROWS, const int64_t *),
+                          AT(st, S_GROUP, const int32_t *), r, qb, AT(st, S_KUF, const float *),
+                          AT(st, S_KU8, const int8_t *), AT(st, S_KSCALE, const float *),
+                          AT(st, S_KCHAN, const float *), AT(st, S_KSTATE, const int32_t *), (int)st[S_KSTATES],
+                          threads);
+        free(qb);
+    }
+    vd_softmax_pv(n, kvh, gn, d, ctx, scale, scores, vc, slots, out, threads);
+    for (int i = 0; i < nst; i++) {
+        const int64_t *st = table + (size_t)i * S_FIELDS;
+        int nb = (int)st[S_GROUPS], r = (int)st[S_VR];
+        float *pu = calloc((size_t)nb * kvh * gn * r, sizeof(float));
+        vd_lowrank_values(kvh, gn, ctx, scores, (int)st[S_NROWS], AT(st, S_ROWS, const int64_t *),
+                          AT(st, S_GROUP, const int32_t *), r, AT(st, S_VUF, const float *),
+                          AT(st, S_VU8, const int8_t *), AT(st, S_VSCALE, const float *),
+                          AT(st, S_VCHAN, const float *), AT(st, S_VSTATE, const int32_t *), (int)st[S_VSTATES],
+                          pu, threads);
+        vd_basis_values(nb, kvh, gn, r, d, pu, (int)st[S_VBKIND], AT(st, S_VB, const int64_t *),
+                        AT(st, S_VBSCALE, const int64_t *), out);
+        free(pu);
+    }
+    free(scores);
+    free(qr);
 }

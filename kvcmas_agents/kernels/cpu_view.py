@@ -4,6 +4,11 @@ The C source is built once per machine with the system's C compiler (``cc``, or 
 kvcmas cache and loaded with ctypes; no Python headers or torch build are needed. ``load`` returns the
 library, or None with the reason in ``unavailable()`` when there is no compiler or the build fails, so
 callers can serve from the torch path and say so. Plain tensors in, plain tensors out.
+
+Where torch runs its threads on GNU OpenMP (libgomp, already loaded by torch) and the compiler is GCC,
+the loops are built with -fopenmp: the library then links the same libgomp by its soname, so its
+parallel regions use torch's own thread team, as many threads as ``torch.get_num_threads()``.
+Elsewhere they run on one thread, and ``status`` says why.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,24 +26,27 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_view.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared"]
 # -fopenmp-simd honours the source's `omp simd` pragmas without linking an OpenMP runtime: a second
-# OpenMP team beside torch's makes every parallel region of the process sleep and wake.
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fPIC", "-shared"]
+# OpenMP runtime beside torch's would make every parallel region of the process sleep and wake.
+SINGLE, SHARED = "-fopenmp-simd", "-fopenmp"
 MAX_RANK = 256              # the C loops read one U row into a stack buffer of this size,
 MAX_ROWS = 64               # and blocks of rows' products with G * n <= MAX_ROWS query rows into others
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
+_one_thread: str | None = None      # why the loops run on one thread, when they do
 _tried = False
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "vd_scores": [_I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P],
-    "vd_lowrank_scores": [_I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I],
-    "vd_softmax_pv": [_I, _I, _I, _I, _I, _F, _P, _P, _P, _P],
-    "vd_lowrank_values": [_I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P],
+    "vd_scores": [_I, _I, _I, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _P, _I],
+    "vd_lowrank_scores": [_I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I, _I],
+    "vd_softmax_pv": [_I, _I, _I, _I, _I, _F, _P, _P, _P, _P, _I],
+    "vd_lowrank_values": [_I, _I, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _I, _P, _I],
     "vd_basis_queries": [_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P],
     "vd_basis_values": [_I, _I, _I, _I, _I, _P, _I, _P, _P, _P],
+    "vd_view_attention": [_I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _F, _I, _P, _P, _I],
 }
 _KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
 
@@ -59,14 +68,44 @@ def _cpu() -> str:
     return f"{platform.machine()} {platform.processor()} {flags}"
 
 
-def _build(target: Path) -> None:
+def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
+    return cc
+
+
+def _gomp_paths() -> set[str]:
+    """The GNU OpenMP runtimes mapped into this process."""
+    try:
+        maps = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return set()
+    return {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
+
+
+def _threading(cc: str) -> str | None:
+    """None when the loops can share torch's OpenMP team, else why they run on one thread."""
+    if not sys.platform.startswith("linux"):
+        return f"threads are shared with torch on Linux only, not {sys.platform}"
+    if "OpenMP" not in torch.__config__.parallel_info().split("parallel backend:")[-1]:
+        return "torch's parallel backend is not OpenMP"
+    if len(_gomp_paths()) != 1:
+        return "torch's OpenMP runtime is not one libgomp"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{cc} --version failed: {exc}"
+    if "Free Software Foundation" not in version:
+        return f"{cc} is not GCC (its OpenMP runtime would not be torch's libgomp)"
+    return None
+
+
+def _build(target: Path, cc: str, flags: list[str]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:      # build aside, then rename: atomic
         out = Path(tmp) / target.name
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(out, target)
@@ -74,36 +113,50 @@ def _build(target: Path) -> None:
 
 def load() -> ctypes.CDLL | None:
     """The built library (building it on first use), or None when it cannot be built here."""
-    global _lib, _why, _tried
+    global _lib, _why, _one_thread, _tried
     if _tried:
         return _lib
     _tried = True
     if os.environ.get("KVCMAS_NO_CPU_KERNEL"):
         _why = "KVCMAS_NO_CPU_KERNEL is set"
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu().encode())
-    target = _cache_dir() / f"cpu_view-{key.hexdigest()[:12]}.so"
     try:
+        cc = _compiler()
+        one = _threading(cc)
+        flags = [*FLAGS, SINGLE if one else SHARED]
+        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu().encode())
+        target = _cache_dir() / f"cpu_view-{key.hexdigest()[:12]}.so"
         if not target.exists():
-            _build(target)
+            _build(target, cc, flags)
+        before = _gomp_paths()
         lib = ctypes.CDLL(str(target))
+        if not one and _gomp_paths() != before:       # a runtime of its own, not torch's
+            one = "the library loaded a second libgomp"
         for name, args in _SIGNATURES.items():
             getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
     except Exception as exc:             # no compiler, a failed build, an unloadable library
         _why = f"CPU view kernel unavailable: {exc}"
         return None
-    _lib = lib
+    _lib, _one_thread = lib, one
     return lib
 
 
 def status(device: torch.device, dtype: torch.dtype) -> str:
     """What serves decode-sized attention on this device and cache dtype: "compiled" (these loops, built
-    here on first use) or "torch: <why not>" on CPU; "" elsewhere."""
+    here on first use, on torch's threads), "compiled, one thread: <why>" or "torch: <why not>" on CPU;
+    "" elsewhere."""
     if device.type != "cpu":
         return ""
     if dtype != torch.float32:
         return f"torch: the compiled loops are fp32, the cache is {str(dtype).replace('torch.', '')}"
-    return "compiled" if load() is not None else f"torch: {unavailable()}"
+    if load() is None:
+        return f"torch: {unavailable()}"
+    return f"compiled, one thread: {_one_thread}" if _one_thread else "compiled"
+
+
+def threads() -> int:
+    """How many threads the loops' parallel regions ask for: torch's, where they share its team."""
+    return 1 if _one_thread else torch.get_num_threads()
 
 
 def unavailable() -> str | None:
@@ -126,7 +179,7 @@ def scores(q: torch.Tensor, k_cache: torch.Tensor, slots: torch.Tensor, key_clas
     qr = q.new_empty(max(classes, 1), kvh, g * n, dim)
     out = q.new_empty(kvh, g * n, ctx)
     load().vd_scores(n, kvh, g, dim, _ptr(q), _ptr(k_cache), ctx, _ptr(slots), _ptr(key_class), classes,
-                     _ptr(q_cos), _ptr(q_sin), _ptr(qr), _ptr(out))
+                     _ptr(q_cos), _ptr(q_sin), _ptr(qr), _ptr(out), threads())
     return out
 
 
@@ -167,7 +220,8 @@ def lowrank_scores(scores_: torch.Tensor, rows: torch.Tensor, group: torch.Tenso
     """scores[h, :, rows[j]] += qb[group[j], h] . U[h, j] in place."""
     kvh, gn, ctx = scores_.shape
     r, *rest = u.args()
-    load().vd_lowrank_scores(kvh, gn, ctx, _ptr(scores_), rows.numel(), _ptr(rows), _ptr(group), r, _ptr(qb), *rest)
+    load().vd_lowrank_scores(kvh, gn, ctx, _ptr(scores_), rows.numel(), _ptr(rows), _ptr(group), r, _ptr(qb), *rest,
+                             threads())
 
 
 def softmax_pv(n: int, scores_: torch.Tensor, scale: float, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -175,7 +229,7 @@ def softmax_pv(n: int, scores_: torch.Tensor, scale: float, v_cache: torch.Tenso
     kvh, gn, ctx = scores_.shape
     out = scores_.new_empty(kvh, gn, v_cache.shape[-1])
     load().vd_softmax_pv(n, kvh, gn, v_cache.shape[-1], ctx, scale, _ptr(scores_), _ptr(v_cache), _ptr(slots),
-                         _ptr(out))
+                         _ptr(out), threads())
     return out
 
 
@@ -185,7 +239,8 @@ def lowrank_values(probs: torch.Tensor, rows: torch.Tensor, group: torch.Tensor,
     kvh, gn, ctx = probs.shape
     args = u.args()
     pu = probs.new_zeros(groups, kvh, gn, args[0])
-    load().vd_lowrank_values(kvh, gn, ctx, _ptr(probs), rows.numel(), _ptr(rows), _ptr(group), *args, _ptr(pu))
+    load().vd_lowrank_values(kvh, gn, ctx, _ptr(probs), rows.numel(), _ptr(rows), _ptr(group), *args, _ptr(pu),
+                             threads())
     return pu
 
 
@@ -228,3 +283,33 @@ def basis_values(pu: torch.Tensor, bases: Bases, out: torch.Tensor) -> None:
     nb, kvh, gn, r = pu.shape
     load().vd_basis_values(nb, kvh, gn, r, out.shape[-1], _ptr(pu), bases.kind, _ptr(bases._b), _ptr(bases._scale),
                            _ptr(out))
+
+
+def stack_table(rows: torch.Tensor, group: torch.Tensor, groups: int, keys: Coeffs, key_bases: Bases,
+                values: Coeffs, value_bases: Bases) -> torch.Tensor:
+    """One stack of a layer's view packed for ``view_attention`` (the C side's S_* fields): addresses of
+    tensors the caller keeps alive (rows [R] int64, group [R] int32, both sides' U and bases)."""
+    def side(u: Coeffs, b: Bases, rotated: bool) -> list[int]:
+        r, uf, u8, scale, chan, state, states = u.args()
+        tables = [b._cos.data_ptr(), b._sin.data_ptr()] if rotated else []
+        return [r, uf or 0, u8 or 0, scale or 0, chan or 0, state or 0, states, b.kind, b._b.data_ptr(),
+                b._scale.data_ptr(), *tables]
+    return torch.tensor([rows.numel(), rows.data_ptr(), group.data_ptr(), groups,
+                         *side(keys, key_bases, True), *side(values, value_bases, False)], dtype=torch.int64)
+
+
+def view_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                   key_class: torch.Tensor | None, q_cos: torch.Tensor | None, q_sin: torch.Tensor | None,
+                   scale: float, tables: list[torch.Tensor]) -> torch.Tensor:
+    """A decode step's attention over a corrected view for one layer in one call: q [n, H, D] over
+    k/v_cache[slots], keys realigned by class (as ``scores``), plus each stack's low-rank terms
+    (``stack_table``); the output [KVH, G*n, D] (as ``attention``)."""
+    n, heads, dim = q.shape
+    kvh, ctx = k_cache.shape[1], slots.numel()
+    classes = 0 if key_class is None else q_cos.shape[0]
+    table = torch.cat(tables) if tables else torch.zeros(1, dtype=torch.int64)
+    out = q.new_empty(kvh, heads // kvh * n, dim)
+    load().vd_view_attention(n, kvh, heads // kvh, dim, _ptr(q), _ptr(k_cache), _ptr(v_cache), ctx, _ptr(slots),
+                             _ptr(key_class), classes, _ptr(q_cos), _ptr(q_sin), scale, len(tables), _ptr(table),
+                             _ptr(out), threads())
+    return out

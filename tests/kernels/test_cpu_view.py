@@ -1,6 +1,7 @@
 """The compiled CPU loops serve few queries over a view and agree with the torch path they replace."""
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
@@ -46,14 +47,20 @@ def _view(kind: str, kv_heads: int, head_dim: int, layers: int, segments: int, k
 @pytest.mark.parametrize("kind", ["int8", "rows", "float", "bf16", "joint"])
 @pytest.mark.parametrize("queries", [1, 3, 8])
 @pytest.mark.parametrize("keep", [False, True])
-def test_compiled_loops_match_the_torch_path_and_the_reference(monkeypatch, kind, queries, keep):
+@pytest.mark.parametrize("one_call", [True, False])
+def test_compiled_loops_match_the_torch_path_and_the_reference(monkeypatch, kind, queries, keep, one_call):
+    """Both ways the loops serve a layer: one call for all of it (``view_attention``), or one call per
+    part where a stack's bases are not theirs to read."""
     kv_heads, head_dim, group, layers = 3, 64, 3, 2
     pieces, view, k_cache, v_cache, realigner, n = _view(kind, kv_heads, head_dim, layers, 12, keep)
     tail = OwnPiece(torch.arange(700, 700 + queries), torch.arange(n, n + queries))
     view = view.extend(tail.slots)
-    served = []
-    real = gather._compiled_attention
+    served, whole = [], []
+    real, real_whole = gather._compiled_attention, cpu_view.view_attention
     monkeypatch.setattr(gather, "_compiled_attention", lambda *a: served.append(1) or real(*a))
+    monkeypatch.setattr(cpu_view, "view_attention", lambda *a: whole.append(1) or real_whole(*a))
+    if not one_call:
+        monkeypatch.setattr(gather, "_compiled_table", lambda *a: None)
     for layer in range(layers):
         q = torch.randn(queries, kv_heads * group, head_dim)
         out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
@@ -63,6 +70,7 @@ def test_compiled_loops_match_the_torch_path_and_the_reference(monkeypatch, kind
         assert torch.allclose(out, torch_path, atol=2e-6), (out - torch_path).abs().max()
         assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
     assert len(served) == layers            # the compiled loops served every layer (13 deltas: keys rotated)
+    assert len(whole) == (layers if one_call else 0)
     # and read every stack's bases themselves, whatever their storage
     assert view.stacks and all(b is not None for st in view.stacks for b in st.bases.values())
     # Not vacuous: a view without the corrections attends differently.
@@ -87,6 +95,7 @@ def test_without_a_compiler_the_torch_path_serves_and_says_why(monkeypatch, tmp_
     monkeypatch.setattr(cpu_view, "_tried", False)
     monkeypatch.setattr(cpu_view, "_lib", None)
     monkeypatch.setattr(cpu_view, "_why", None)
+    monkeypatch.setattr(cpu_view, "_one_thread", None)
     assert cpu_view.load() is None and "no-such-cc" in (cpu_view.unavailable() or "")
     pieces, view, k_cache, v_cache, realigner, n = _view("int8", 2, 64, 1, 3, False)
     q = torch.randn(1, 4, 64)
@@ -125,3 +134,29 @@ async def test_the_engine_decodes_plain_kv_with_the_loops_and_says_so(monkeypatc
             await engine.aclose()
     assert tokens[0] == tokens[1] and len(tokens[0]) == 12
     assert loops[0] == "compiled"
+
+
+def test_threads_split_the_work_without_changing_the_result(monkeypatch):
+    """Two threads give what one gives, the same every time (no two threads add into one sum; a chain's
+    rows appear in several runs), and the one-thread build says why it is one."""
+    pieces, view, k_cache, v_cache, realigner, n = _view("joint", 3, 64, 2, 12, True)
+    view = view.extend(torch.arange(700, 701))
+    q = torch.randn(1, 9, 64)
+    outs = {}
+    for threads in (1, 2, 2, 2):
+        monkeypatch.setattr(cpu_view, "threads", lambda t=threads: t)
+        with torch.no_grad():
+            outs.setdefault(threads, []).append(gathered_attention(q, view, k_cache, v_cache, 1, 0.125))
+    assert all(torch.equal(o, outs[2][0]) for o in outs[2])
+    assert torch.allclose(outs[1][0], outs[2][0], atol=1e-6)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads are shared with torch on Linux")
+def test_a_compiler_that_is_not_gcc_builds_the_one_thread_loops(tmp_path):
+    """Its OpenMP runtime would be a second one beside torch's libgomp: the loops stay on one thread."""
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'clang version 18.0.0'\n")
+    fake.chmod(0o755)
+    why = cpu_view._threading(str(fake))
+    assert why is not None and "not GCC" in why
+    assert cpu_view.status(torch.device("cpu"), torch.float32).startswith("compiled")

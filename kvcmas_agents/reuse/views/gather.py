@@ -102,6 +102,8 @@ class Stack:
     # and the bases as they read them (pointers to the stored ones)
     compiled: dict[tuple[int, int, int], cpu_view.Coeffs] = field(default_factory=dict)
     bases: dict[tuple[int, int, int], cpu_view.Bases | None] = field(default_factory=dict)
+    # (groups, layer) -> both sides packed for one call of the loops, and what the table points at
+    tables: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = field(default_factory=dict)
 
 
 @dataclass
@@ -323,6 +325,12 @@ def _compiled_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tens
     q = q.contiguous()
     n, kvh = q.shape[0], k_cache.shape[1]
     rotated = view.cos.shape[0] > 0
+    tables = [_compiled_table(st, active, layer, view.keep, q.shape[-1])
+              for st in view.stacks if (active := st.active(layer))]
+    if all(t is not None for t in tables):              # one call for the layer (the usual case)
+        out = cpu_view.view_attention(q, k_cache, v_cache, view.slots, view.key_class if rotated else None,
+                                      view.q_cos, view.q_sin, scale, [t[0] for t in tables])
+        return ungroup(out, n)
     scores = cpu_view.scores(q, k_cache, view.slots, view.key_class if rotated else None, view.q_cos, view.q_sin)
     qg = group_queries(q, kvh)
     parts = []
@@ -349,6 +357,24 @@ def _compiled_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tens
         else:
             out += pu.sum(0) if all(b.plain_identity for b in bases) else (pu @ Basis.stacked(bases, layer, q.dtype)).sum(0)
     return ungroup(out, n)
+
+
+def _compiled_table(st: Stack, active: int, layer: int, keep: bool, dim: int) -> tuple[torch.Tensor, tuple] | None:
+    """A stack's part of one layer for ``cpu_view.view_attention``: its packed table and the tensors it
+    points at; None where the loops cannot read its bases (the per-part calls serve it). Kept with the
+    stack when both sides' codes are (it then costs nothing per step)."""
+    key = (active, layer)
+    if key in st.tables:
+        return st.tables[key]
+    kb, vb = _compiled_bases(st, 0, active, layer), _compiled_bases(st, 2, active, layer)
+    kc, vc = _compiled_coeffs(st, 0, active, layer, keep), _compiled_coeffs(st, 2, active, layer, keep)
+    if kb is None or vb is None or (kb.rank or dim) != kc.u.shape[1] or (vb.rank or dim) != vc.u.shape[1]:
+        return None
+    rows, group = st.rows[:st.ends[active - 1]], st.row_groups(active)
+    held = (cpu_view.stack_table(rows, group, active, kc, kb, vc, vb), (kc, vc, kb, vb, rows, group))
+    if (0, active, layer) in st.compiled and (2, active, layer) in st.compiled:
+        st.tables[key] = held
+    return held
 
 
 def _compiled_bases(st: Stack, side: int, active: int, layer: int) -> cpu_view.Bases | None:
