@@ -158,6 +158,9 @@ static inline void block_of(const coeffs_t *c, int h, int j, int len, float *res
             memcpy(o, c->uf + at, sizeof(float) * len);
         } else {
             const int8_t *src = c->u8 + at;
+            /* the next blocks of this component's row: one stream per component, r of them, too many
+             * for the hardware prefetcher to follow */
+            __builtin_prefetch(src + 2 * BLOCK);
 #pragma omp simd
             for (int x = 0; x < len; x++) o[x] = (float)src[x];
         }
