@@ -52,15 +52,19 @@ def headline_table(entry: dict[str, Any]) -> str:
 def replay_work(m: dict[str, Any]) -> dict[str, float]:
     """What one replay computed and where its time went: tokens its turns prefilled under their own
     prefix and recomputed in corrections at turn time, tokens its ahead-of-time corrections recomputed,
-    the seconds of each, and the rest of the replay (decode, and what neither counts)."""
+    the seconds of each, and the rest of the replay (decode, and what neither counts); and the turns'
+    decode as it ran in the replay (tokens after each first token over the seconds from first to last,
+    ahead-of-time work run between the steps included)."""
     turns = m["turns"]
     own = sum(t["prompt_tokens"] - t["cached_tokens"] - t["reused_tokens"] for t in turns)
     recomputed = sum(t["recomputed_tokens"] for t in turns)
     pf = (m.get("engine") or {}).get("prefetch") or {}
     ahead_tok, ahead_s = pf.get("recomputed_tokens", 0), pf.get("seconds", 0.0)
+    decoded, decode_s = sum(t.get("decoded_tokens", 0) for t in turns), sum(t.get("decode_s", 0.0) for t in turns)
     return {"prefilled": own, "recomputed_at_turn": recomputed, "recomputed_ahead": ahead_tok,
             "computed": own + recomputed + ahead_tok, "ttft_s": m["ttft_total"], "ahead_s": ahead_s,
-            "rest_s": m["wall_s"] - m["ttft_total"] - ahead_s, "wall_s": m["wall_s"]}
+            "rest_s": m["wall_s"] - m["ttft_total"] - ahead_s, "wall_s": m["wall_s"],
+            "decoded_tokens": decoded, "decode_s": decode_s, "decode_tok_s": decoded / decode_s if decode_s else None}
 
 
 def work_table(entry: dict[str, Any]) -> str:
@@ -69,11 +73,14 @@ def work_table(entry: dict[str, Any]) -> str:
     ahead-of-time corrections together compute less than prefix prefills."""
     rows = _replays(entry)
     lines = ["| method | replay s | tokens computed (prefilled + recomputed at turn time + ahead of time) | "
-             "first tokens s | ahead-of-time s | decode and the rest s |", "|---|---|---|---|---|---|"]
+             "first tokens s | ahead-of-time s | decode and the rest s | decode in the replay: tokens after the "
+             "first, s, tok/s |", "|---|---|---|---|---|---|---|"]
     for label, m in rows:
         w = replay_work(m)
+        rate = f"{w['decode_tok_s']:.1f}" if w["decode_tok_s"] else "-"
         lines.append(f"| {label} | {w['wall_s']:.0f} | {w['computed']} ({w['prefilled']} + {w['recomputed_at_turn']} + "
-                     f"{w['recomputed_ahead']}) | {w['ttft_s']:.1f} | {w['ahead_s']:.1f} | {w['rest_s']:.1f} |")
+                     f"{w['recomputed_ahead']}) | {w['ttft_s']:.1f} | {w['ahead_s']:.1f} | {w['rest_s']:.1f} | "
+                     f"{w['decoded_tokens']}, {w['decode_s']:.1f}, {rate} |")
     return "\n".join(lines)
 
 

@@ -26,6 +26,8 @@ class ReplayTurn:
     served: str                  # the reuse mode that actually served the request
     ttft_s: float
     timings: dict[str, float] = field(default_factory=dict)   # where the TTFT went (RequestOutput.timings)
+    decode_s: float = 0.0        # from the first token to the last
+    decoded_tokens: int = 0      # tokens after the first
 
     @property
     def reused_frac(self) -> float:
@@ -46,7 +48,8 @@ class ReplayTurn:
                 "cached_tokens": self.cached_tokens, "reused_tokens": self.reused_tokens,
                 "recomputed_tokens": self.recomputed_tokens, "reused_frac": self.reused_frac,
                 "not_prefilled_frac": self.not_prefilled_frac, "recomputed_frac": self.recomputed_frac,
-                "served": self.served, "ttft_s": self.ttft_s, "timings": self.timings}
+                "served": self.served, "ttft_s": self.ttft_s, "timings": self.timings, "decode_s": self.decode_s,
+                "decoded_tokens": self.decoded_tokens}
 
 
 def _turn(exact: ExactTurn, out: RequestOutput, n: int) -> ReplayTurn:
@@ -54,7 +57,7 @@ def _turn(exact: ExactTurn, out: RequestOutput, n: int) -> ReplayTurn:
     return ReplayTurn(exact.index, exact.round, exact.group, exact.agent,
                       turn_metrics(exact.logits[:n], out.logits, exact.tokens[:n]),
                       u.prompt_tokens, u.cached_tokens, u.reused_tokens, u.recomputed_tokens, out.reuse, out.ttft_s,
-                      dict(out.timings))
+                      dict(out.timings), out.latency_s - out.ttft_s, max(u.completion_tokens - 1, 0))
 
 
 def forced_tokens(t: ExactTurn, eval_tokens: int, full_decode: bool) -> list[int]:

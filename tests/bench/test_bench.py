@@ -81,6 +81,9 @@ def test_where_the_replay_time_goes_and_the_tokens_each_replay_computed(report):
         assert w["computed"] == w["prefilled"] + w["recomputed_at_turn"] + w["recomputed_ahead"]
     prefix, kvcmas = replay_work(entry["methods"]["prefix"]), replay_work(entry["methods"]["kvcmas"])
     turns = entry["methods"]["prefix"]["turns"]
+    # every replay decodes the same exact replies, token for token
+    assert prefix["decoded_tokens"] == kvcmas["decoded_tokens"] > 0
+    assert prefix["decode_s"] > 0 and prefix["decode_tok_s"] > 0
     assert prefix["computed"] == sum(t["prompt_tokens"] - t["cached_tokens"] for t in turns) > 0
     assert prefix["recomputed_at_turn"] == prefix["recomputed_ahead"] == 0
     assert kvcmas["recomputed_at_turn"] + kvcmas["recomputed_ahead"] > 0
