@@ -111,6 +111,16 @@ def _build(target: Path, cc: str, flags: list[str]) -> None:
         os.replace(out, target)
 
 
+def _built(cc: str, openmp: str) -> Path:
+    """The library built with these OpenMP flags, building it unless the cache has it."""
+    flags = [*FLAGS, openmp]
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu().encode())
+    target = _cache_dir() / f"cpu_view-{key.hexdigest()[:12]}.so"
+    if not target.exists():
+        _build(target, cc, flags)
+    return target
+
+
 def load() -> ctypes.CDLL | None:
     """The built library (building it on first use), or None when it cannot be built here."""
     global _lib, _why, _one_thread, _tried
@@ -123,11 +133,12 @@ def load() -> ctypes.CDLL | None:
     try:
         cc = _compiler()
         one = _threading(cc)
-        flags = [*FLAGS, SINGLE if one else SHARED]
-        key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu().encode())
-        target = _cache_dir() / f"cpu_view-{key.hexdigest()[:12]}.so"
-        if not target.exists():
-            _build(target, cc, flags)
+        try:
+            target = _built(cc, SINGLE if one else SHARED)
+        except RuntimeError as exc:          # e.g. no libgomp to link against: one thread, still compiled
+            if one:
+                raise
+            one, target = f"the -fopenmp build failed: {exc}", _built(cc, SINGLE)
         before = _gomp_paths()
         lib = ctypes.CDLL(str(target))
         if not one and _gomp_paths() != before:       # a runtime of its own, not torch's

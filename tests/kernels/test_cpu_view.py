@@ -160,3 +160,14 @@ def test_a_compiler_that_is_not_gcc_builds_the_one_thread_loops(tmp_path):
     why = cpu_view._threading(str(fake))
     assert why is not None and "not GCC" in why
     assert cpu_view.status(torch.device("cpu"), torch.float32).startswith("compiled")
+
+
+def test_a_failed_threaded_build_falls_back_to_one_thread(monkeypatch, tmp_path):
+    """Where -fopenmp cannot build (no libgomp to link), the loops still build, on one thread, and say so."""
+    monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
+    for name, value in (("_tried", False), ("_lib", None), ("_why", None), ("_one_thread", None),
+                        ("SHARED", "-fno-such-openmp-flag")):
+        monkeypatch.setattr(cpu_view, name, value)
+    monkeypatch.setattr(cpu_view, "_threading", lambda cc: None)
+    assert cpu_view.load() is not None and cpu_view.threads() == 1
+    assert cpu_view.status(torch.device("cpu"), torch.float32).startswith("compiled, one thread: the -fopenmp build failed")
