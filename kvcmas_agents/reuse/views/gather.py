@@ -367,8 +367,10 @@ def _compiled_table(st: Stack, active: int, layer: int, keep: bool, dim: int) ->
     if key in st.tables:
         return st.tables[key]
     kb, vb = _compiled_bases(st, 0, active, layer), _compiled_bases(st, 2, active, layer)
+    if kb is None or vb is None:        # before the codes: unkept ones would be joined again per part
+        return None
     kc, vc = _compiled_coeffs(st, 0, active, layer, keep), _compiled_coeffs(st, 2, active, layer, keep)
-    if kb is None or vb is None or (kb.rank or dim) != kc.u.shape[1] or (vb.rank or dim) != vc.u.shape[1]:
+    if (kb.rank or dim) != kc.u.shape[1] or (vb.rank or dim) != vc.u.shape[1]:
         return None
     rows, group = st.rows[:st.ends[active - 1]], st.row_groups(active)
     held = (cpu_view.stack_table(rows, group, active, kc, kb, vc, vb), (kc, vc, kb, vb, rows, group))
