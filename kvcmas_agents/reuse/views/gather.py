@@ -47,6 +47,10 @@ class Stack:
     # (side, groups, layer) -> the leading groups' U of that side (0 keys, 2 values), kept unpacked
     unpacked: dict[tuple[int, int, int], KeptCodes] = field(default_factory=dict)
 
+    def leading_rows(self, groups: int) -> torch.Tensor:
+        """The key rows of the leading ``groups`` groups (a prefix of ``rows``)."""
+        return self.rows[:self.ends[groups - 1]]
+
     def spans(self, groups: int) -> list[tuple[int, int]]:
         """Where each of the leading ``groups`` groups' rows lie in ``rows``."""
         return list(zip([0] + self.ends[:groups - 1], self.ends[:groups]))
@@ -237,7 +241,7 @@ def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor
         for st in view.stacks:
             active = st.active(layer)
             if active:
-                rows.append(st.rows[:st.ends[active - 1]])
+                rows.append(st.leading_rows(active))
                 dk.append(_stack_dense(st, 0, active, layer, k.dtype, view.keep))
                 dv.append(_stack_dense(st, 2, active, layer, v.dtype, view.keep))
         idx = torch.cat(rows)
@@ -285,7 +289,7 @@ def _lowrank_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tenso
         active = st.active(layer)                      # groups that store nothing for this layer are left out
         if not active:
             continue
-        rows, spans, gs = st.rows[:st.ends[active - 1]], st.spans(active), st.groups[:active]
+        rows, spans, gs = st.leading_rows(active), st.spans(active), st.groups[:active]
         uk = st.coefficients(0, active, layer, q.dtype, view.keep)
         scores.index_add_(-1, rows, _lowrank_scores(qg, [g[1] for g in gs], uk, spans, layer))
         parts.append((st, active, rows, spans, gs))
@@ -338,7 +342,7 @@ def _compiled_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tens
         active = st.active(layer)
         if not active:
             continue
-        rows, group, gs = st.rows[:st.ends[active - 1]], st.row_groups(active), st.groups[:active]
+        rows, group, gs = st.leading_rows(active), st.row_groups(active), st.groups[:active]
         bases, packed = [gr[1] for gr in gs], _compiled_bases(st, 0, active, layer)
         if packed is not None:
             qb = cpu_view.basis_queries(qg, packed)                                   # [NB, KVH, G*n, r]
@@ -372,7 +376,7 @@ def _compiled_table(st: Stack, active: int, layer: int, keep: bool, dim: int) ->
     kc, vc = _compiled_coeffs(st, 0, active, layer, keep), _compiled_coeffs(st, 2, active, layer, keep)
     if (kb.rank or dim) != kc.u.shape[1] or (vb.rank or dim) != vc.u.shape[1]:
         return None
-    rows, group = st.rows[:st.ends[active - 1]], st.row_groups(active)
+    rows, group = st.leading_rows(active), st.row_groups(active)
     held = (cpu_view.stack_table(rows, group, active, kc, kb, vc, vb), (kc, vc, kb, vb, rows, group))
     if (0, active, layer) in st.compiled and (2, active, layer) in st.compiled:
         st.tables[key] = held
