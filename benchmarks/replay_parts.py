@@ -7,7 +7,7 @@ split into the selection pass, the recompute's attention and context gather, com
 rest (the recomputed rows' projections and MLPs). It reports seconds by part and, against the first
 method, the seconds each part adds, so a gap in the whole replay is read off its parts.
 
-    python -m benchmarks.replay_parts [--preset full] [--trace pipeline] [--methods prefix kvcmas]
+    python -m benchmarks.replay_parts [--preset full] [--trace pipeline] [--methods prefix kvcmas] [--rounds 1]
 
 The timers cost a few microseconds a call (about 45,000 calls in a full pipeline replay).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -134,9 +135,12 @@ def _flat(row: dict) -> dict[str, float]:
     return out
 
 
-async def run(preset: str, trace_name: str, names: tuple[str, ...] = ("prefix", "kvcmas")) -> dict:
+async def run(preset: str, trace_name: str, names: tuple[str, ...] = ("prefix", "kvcmas"), rounds: int = 1) -> dict:
+    """Each method's replay ``rounds`` times, methods interleaved within a round (a shared machine's
+    drift then lands on every method alike); per-round parts, and per part the median over rounds of
+    the seconds it adds against the first method."""
     trace = get_traces(preset, [trace_name])[0]
-    rows: dict[str, dict] = {}
+    rows: dict[str, list[dict]] = {n: [] for n in names}
     with single_threaded_caller() as threads:
         bench = _Bench(BenchConfig(traces=[trace], methods=list(names)), lambda _: None, threads)
         exact, _ = await run_exact_and_close(bench.engine(METHODS["none"]), trace.scenario, trace.reply_tokens,
@@ -148,15 +152,22 @@ async def run(preset: str, trace_name: str, names: tuple[str, ...] = ("prefix", 
             timers.seconds.clear()
             timers.calls.clear()
         bench._warm = warm_then_clear
-        for name in names:
-            timers = Timers()
-            with timed_engine(timers):
-                result = await bench.replay(trace, exact, METHODS[name])
-            rows[name] = parts(result, timers)
-    base = _flat(rows[names[0]])
-    added = {name: {k: round(v - base[k], 2) for k, v in _flat(row).items()} for name, row in rows.items()
-             if name != names[0]}
-    return {"preset": preset, "trace": trace_name, "parts": rows, f"seconds_added_vs_{names[0]}": added}
+        for _ in range(rounds):
+            for name in names:
+                timers = Timers()
+                with timed_engine(timers):
+                    result = await bench.replay(trace, exact, METHODS[name])
+                rows[name].append(parts(result, timers))
+    first = names[0]
+    ratios = {n: [round(r["replay_s"] / b["replay_s"], 3) for r, b in zip(rows[n], rows[first])] for n in names}
+    added = {}
+    for n in names[1:]:
+        per_round = [_flat(r) for r in rows[n]]
+        base = [_flat(b) for b in rows[first]]
+        added[n] = {k: round(statistics.median(r[k] - b[k] for r, b in zip(per_round, base)), 2) for k in base[0]}
+    return {"preset": preset, "trace": trace_name, "rounds": rounds, "parts": rows,
+            f"replay_vs_{first}": ratios, f"replay_vs_{first}_median": {n: statistics.median(r) for n, r in ratios.items()},
+            f"seconds_added_vs_{first}_median": added}
 
 
 def main() -> None:
@@ -164,8 +175,9 @@ def main() -> None:
     p.add_argument("--preset", default="full")
     p.add_argument("--trace", default="pipeline")
     p.add_argument("--methods", nargs="+", default=["prefix", "kvcmas"])
+    p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
-    print(json.dumps(asyncio.run(run(args.preset, args.trace, tuple(args.methods))), indent=1))
+    print(json.dumps(asyncio.run(run(args.preset, args.trace, tuple(args.methods), args.rounds)), indent=1))
 
 
 if __name__ == "__main__":
