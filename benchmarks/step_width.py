@@ -4,7 +4,9 @@ A decode step carries one row per running request; a prefill chunk or a correcti
 On a CPU a one-row step reads every weight for one row, so it tells how much a row riding along a
 decode step (an ahead-of-time correction's, another agent's) would cost against the same row in a
 prefill chunk. Attention is left out (it depends on the context, not on the weights). Prints JSON: per
-width, the median ms of a forward of that many rows, ms per row, and ms each row adds to a one-row step.
+width, the median ms of a forward of that many rows, ms per row, and ms each row adds to a one-row step,
+for the model's projections as the engine runs them and, beside them, through ``F.linear``
+(``llama.CPU_MATMUL`` off), widths interleaved.
 
     python -m benchmarks.step_width [--widths 1 2 4 8 16 32 64 128] [--reps 7]
 """
@@ -17,6 +19,7 @@ import time
 
 import torch
 
+from kvcmas_agents.model import llama
 from kvcmas_agents.model.llama import LlamaModel
 from kvcmas_agents.model.loader import load_model
 
@@ -42,15 +45,29 @@ def forward_ms(model: LlamaModel, rows: int, reps: int) -> float:
     return statistics.median(times[1:]) * 1e3
 
 
+def _widths(ms: dict[int, float]) -> dict[str, dict]:
+    one = ms.get(1)
+    return {str(w): {"ms": round(t, 2), "ms_per_row": round(t / w, 2),
+                     "ms_per_added_row": round((t - one) / (w - 1), 2) if one and w > 1 else None}
+            for w, t in ms.items()}
+
+
 def run(widths: list[int], reps: int, model_name: str | None = None) -> dict:
     loaded = load_model(model_name, device="cpu")
     model = LlamaModel(loaded.args, loaded.weights, MAX_POSITION)
-    ms = {w: forward_ms(model, w, reps) for w in widths}
-    one = ms.get(1)
-    return {"model": loaded.name, "threads": torch.get_num_threads(), "reps": reps,
-            "widths": {str(w): {"ms": round(t, 2), "ms_per_row": round(t / w, 2),
-                                "ms_per_added_row": round((t - one) / (w - 1), 2) if one and w > 1 else None}
-                       for w, t in ms.items()}}
+    engine, plain = {}, {}
+    saved = llama.CPU_MATMUL
+    try:
+        for w in widths:
+            llama.CPU_MATMUL = saved
+            engine[w] = forward_ms(model, w, reps)
+            llama.CPU_MATMUL = False
+            plain[w] = forward_ms(model, w, reps)
+    finally:
+        llama.CPU_MATMUL = saved
+    return {"model": loaded.name, "threads": torch.get_num_threads(), "reps": reps, "cpu_matmul": saved,
+            "widths": _widths(engine), "widths_f_linear": _widths(plain),
+            "f_linear_over_engine": {str(w): round(plain[w] / engine[w], 3) for w in widths}}
 
 
 def main() -> None:

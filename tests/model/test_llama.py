@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Mi
 from kvcmas_agents.engine.paged_attention import PagedAttention, SeqSlice
 from kvcmas_agents.cache.kv_store import KVStore
 from kvcmas_agents.model.loader import load_model
-from kvcmas_agents.model.llama import LlamaModel
+from kvcmas_agents.model import llama
+from kvcmas_agents.model.llama import LlamaModel, linear
 from kvcmas_agents.model.args import ModelArgs
 
 CPU = torch.device("cpu")
@@ -198,6 +199,24 @@ def test_biases_are_used(kind):
     assert len(stripped) < len(model.w)
     other = run_contiguous(LlamaModel(args, stripped, max_positions=64), ids)
     assert (other - ref).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_projection_is_f_linear_and_its_heads_split_alike(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 48, generator=g), torch.randn(96, 48, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    ref = torch.nn.functional.linear(x, w, b)
+    out = linear(x, w, b)
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
+    assert torch.equal(out.view(rows, 6, 16), out.contiguous().view(rows, 6, 16))     # a view of the transpose
+    old = llama.CPU_MATMUL
+    try:
+        llama.CPU_MATMUL = False
+        assert torch.equal(linear(x, w, b), ref)
+    finally:
+        llama.CPU_MATMUL = old
 
 
 # --------------------------------------------------------------------------- paged attention
