@@ -22,24 +22,25 @@ class AttentionBackend(Protocol):
         ...
 
 
-# fp32 projections on CPU of 2-4 rows (decode steps of a few requests) and of 16 or more (prefill chunks,
-# recomputes) run as ``w @ x.T`` rather than ``F.linear(x, w)``: the same product through PyTorch's plain
-# matmul, measured 1.3-1.8x faster at 2-4 rows and 1.05-1.4x from 16 on, while at 1 row and at 5-15 the
-# two trade places (benchmarks/step_width.py, docs/speed.md). Off only to measure what it buys.
+# fp32 projections of 2-4 rows on CPU (a decode step of a few requests) run as ``w @ x.T`` rather than
+# ``F.linear(x, w)``: the same product through PyTorch's plain matmul, measured 1.2-2.3x faster there,
+# while at 1 row, 5-15 and (made contiguous) 128 and more ``F.linear`` is as fast or faster
+# (benchmarks/step_width.py, docs/speed.md). Off only to measure what it buys.
 CPU_MATMUL = True
 
 
 def _matmul_wins(rows: int) -> bool:
-    return 2 <= rows <= 4 or rows >= 16
+    return 2 <= rows <= 4
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ w[out, in].T (+ b): F.linear, or on CPU in fp32 at the widths where it is faster the
-    plain matmul (its result is a transposed view; ``view`` may still split its last dimension)."""
+    plain matmul. The result is contiguous either way: attention's fused kernels take the heads split off
+    it, and a transposed one sent prefill attention to PyTorch's slow path."""
     if not (CPU_MATMUL and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
             and _matmul_wins(x.shape[0])):
         return F.linear(x, w, b)
-    out = (w @ x.t()).t()
+    out = (w @ x.t()).t().contiguous()
     return out if b is None else out + b
 
 

@@ -210,7 +210,7 @@ def test_cpu_projection_is_f_linear_and_its_heads_split_alike(rows, bias):
     ref = torch.nn.functional.linear(x, w, b)
     out = linear(x, w, b)
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
-    assert torch.equal(out.view(rows, 6, 16), out.contiguous().view(rows, 6, 16))     # a view of the transpose
+    assert out.is_contiguous()          # heads split off it keep the layout attention's fused kernels take
     old = llama.CPU_MATMUL
     try:
         llama.CPU_MATMUL = False
