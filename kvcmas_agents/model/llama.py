@@ -22,25 +22,25 @@ class AttentionBackend(Protocol):
         ...
 
 
-# fp32 projections of 2-4 rows on CPU (a decode step of a few requests) run as ``w @ x.T`` rather than
-# ``F.linear(x, w)``: the same product through PyTorch's plain matmul, measured 1.2-2.3x faster there,
-# while at 1 row, 5-15 and (made contiguous) 128 and more ``F.linear`` is as fast or faster
-# (benchmarks/step_width.py, docs/speed.md). Off only to measure what it buys.
+# fp32 projections of 1-4 rows on CPU (decode steps) run as ``w @ x.T`` rather than ``F.linear(x, w)``:
+# the same product through PyTorch's matrix-matrix path, measured 1.2-2.3x faster at 2-4 rows, while at
+# 5-15 and (made contiguous) 128 and more rows ``F.linear`` is as fast or faster. One row takes that path
+# as two (the row twice): a one-column product goes to the matrix-vector path, as slow as ``F.linear``'s,
+# and the second row costs nothing while the weights' reads bound the step (a step's projections 2x
+# faster; benchmarks/step_width.py, docs/speed.md). Off only to measure what it buys.
 CPU_MATMUL = True
-
-
-def _matmul_wins(rows: int) -> bool:
-    return 2 <= rows <= 4
+MATMUL_ROWS = 4
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, in] @ w[out, in].T (+ b): F.linear, or on CPU in fp32 at the widths where it is faster the
-    plain matmul. The result is contiguous either way: attention's fused kernels take the heads split off
-    it, and a transposed one sent prefill attention to PyTorch's slow path."""
-    if not (CPU_MATMUL and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
-            and _matmul_wins(x.shape[0])):
+    """x [T, in] @ w[out, in].T (+ b): F.linear, or on CPU in fp32 for a few rows the matrix-matrix
+    path. The result is contiguous either way: attention's fused kernels take the heads split off it, and
+    a transposed one sent prefill attention to PyTorch's slow path."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if not (CPU_MATMUL and 1 <= rows <= MATMUL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32):
         return F.linear(x, w, b)
-    out = (w @ x.t()).t().contiguous()
+    xs = torch.cat([x, x]) if rows == 1 else x
+    out = (w @ xs.t()).t()[:rows].contiguous()
     return out if b is None else out + b
 
 
