@@ -23,11 +23,11 @@ class AttentionBackend(Protocol):
 
 
 # fp32 projections of 1-4 rows on CPU (decode steps) run as ``w @ x.T`` rather than ``F.linear(x, w)``:
-# the same product through PyTorch's matrix-matrix path, measured 1.2-2.3x faster at 2-4 rows, while at
-# 5-15 and (made contiguous) 128 and more rows ``F.linear`` is as fast or faster. One row takes that path
-# as two (the row twice): a one-column product goes to the matrix-vector path, as slow as ``F.linear``'s,
-# and the second row costs nothing while the weights' reads bound the step (a step's projections 2x
-# faster; benchmarks/step_width.py, docs/speed.md). Off only to measure what it buys.
+# the same product through PyTorch's matrix-matrix path, measured 1.2-2.3x faster at 2-4 rows; from 5
+# rows on it gained little or lost (0.8-1.1x, made contiguous), so wider products keep ``F.linear``.
+# One row takes that path as two (the row twice): a one-column product goes to the matrix-vector path,
+# as slow as ``F.linear``'s, and the second row costs nothing while the weights' reads bound the step
+# (a step's projections 1.9x faster; benchmarks/step_width.py, docs/speed.md). Off only to measure.
 CPU_MATMUL = True
 MATMUL_ROWS = 4
 
