@@ -161,8 +161,11 @@ def build_gathered(pieces: list, realigner: Realigner, device: torch.device, dty
                 rotations.append((offset, n, p.delta, *realigner.cos_sin(p.delta, device, dtype)))
             for d in p.deltas:
                 if d.num_rows:
-                    rows, uks, _, uvs, _ = groups.setdefault((_basis_id(d.bk, d.uk), _basis_id(d.bv, d.uv), d.shift),
-                                                             ([], [], realigner.key_basis(d), [], d.value_basis()))
+                    # A group's states must also share their first stored layer: identity bases of
+                    # different states (full-rank rows) are alike whatever layers each stores.
+                    key = (_basis_id(d.bk, d.uk), _basis_id(d.bv, d.uv), d.shift, d.first_layer)
+                    rows, uks, _, uvs, _ = groups.setdefault(key, ([], [], realigner.key_basis(d), [],
+                                                                   d.value_basis()))
                     rows.append(d.rows.to(device) + offset)
                     uks.append(d.key_coeffs())
                     uvs.append(d.value_coeffs())
@@ -187,6 +190,8 @@ def _stacks(corrections: list[Group], rows: list[torch.Tensor]) -> list[Stack]:
     """The groups by storage format, each format's groups ordered by their first stored layer."""
     alike: dict[tuple, list[tuple[Group, torch.Tensor]]] = {}
     for g, r in zip(corrections, rows):
+        if len({u.first for u in g[0] + g[2]}) != 1:
+            raise ValueError("a group's states must share their first stored layer")
         alike.setdefault(_format(g), []).append((g, r))
     out = []
     for members in alike.values():
@@ -244,6 +249,8 @@ def gathered_kv(view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor
                 rows.append(st.leading_rows(active))
                 dk.append(_stack_dense(st, 0, active, layer, k.dtype, view.keep))
                 dv.append(_stack_dense(st, 2, active, layer, v.dtype, view.keep))
+        if not rows:
+            return k, v
         idx = torch.cat(rows)
         k.index_add_(0, idx, torch.cat(dk))
         v.index_add_(0, idx, torch.cat(dv))

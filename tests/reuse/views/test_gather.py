@@ -208,6 +208,38 @@ def test_row_states_of_several_requests_are_joined_in_one_group(tq):
     assert torch.equal(Coeffs.joined(mixed, 2), torch.cat([u.at(2) for u in mixed], dim=1))
 
 
+@pytest.mark.parametrize("tq", [1, 12])
+def test_row_states_starting_at_different_layers_keep_their_own_groups(tq):
+    """Full-rank row states (identity bases) of two requests that leave out different leading layers
+    (``uncorrected_energy``): each keeps its own group, so a layer only the later-starting state leaves
+    out still gets the other one's rows. Before, they shared one group dated by its first member's
+    first layer: that layer's corrections were dropped, and with no group active the gather of many
+    queries failed (``torch.cat`` of no rows), the reproduction of a workflow whose replies repeat."""
+    head_dim, kv_heads, group, layers = 64, 3, 3, 4
+    k_cache, v_cache, realigner, rows, dks = _three_segments(6, head_dim, kv_heads, layers)
+    later = compress(dks[0], dks[0].flip(-1), rows[0], 40, Format(torch.int8, small_rows=True), first_layer=2)
+    earlier = compress(dks[1], dks[1].flip(-1), rows[1], 40, Format(torch.int8, small_rows=True), first_layer=1)
+    assert later.bk is None and earlier.bk is None
+    pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
+    for i, state in enumerate([later, earlier]):
+        pieces.append(SegmentPiece(torch.arange(100 + 20 * i, 120 + 20 * i), torch.arange(8 + 20 * i, 28 + 20 * i),
+                                   3 - 2 * i, [state]))
+    pieces.append(OwnPiece(torch.arange(250, 250 + tq), torch.arange(48, 48 + tq)))
+    view = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
+    assert view.first_layer == 1
+    assert sorted(f for st in view.stacks for f in st.firsts) == [1, 2]
+    q = torch.randn(tq, kv_heads * group, head_dim)
+    for layer in range(layers):
+        ref = view_attention(q, torch.arange(48, 48 + tq), pieces, k_cache, v_cache, layer, head_dim ** -0.5,
+                             realigner)
+        out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        assert torch.allclose(out, ref, atol=1e-5), (layer, (out - ref).abs().max())
+    k1, _ = gathered_kv(view, k_cache, v_cache, 1)        # only the earlier state stores layer 1
+    plain1, _ = gathered_kv(view, k_cache, v_cache, 1, corrected=False)
+    moved = (k1 - plain1).abs().sum((1, 2)) > 0
+    assert moved.nonzero().flatten().tolist() == (rows[1] + 28).tolist()
+
+
 @pytest.mark.parametrize("tq", [1, 5, 12])
 def test_groups_stored_alike_are_read_together(tq):
     """Groups of a view that are stored alike are read together (one unpack of U, one read of the bases
