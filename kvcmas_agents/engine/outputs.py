@@ -18,6 +18,8 @@ class Usage:
         kvcomm, the tokens of segments prefilled densely because no anchor matched (not in reused_tokens).
     kept_tokens: prompt tokens whose stored KV served the request as is: cached tokens plus the reused
         tokens that were not recomputed.
+    exact_fallback: the request was served as an exact prefill instead of by its reuse mode (its reuse
+        did not fit the KV budget, or failed: ``RequestOutput.fallback`` says why).
     """
 
     prompt_tokens: int = 0
@@ -26,6 +28,7 @@ class Usage:
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     kept_tokens: int = 0
+    exact_fallback: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -55,6 +58,7 @@ class RequestOutput:
     stop_reason: str | None = None        # the stop string or token text that ended the request
     reuse: str = "none"                   # reuse mode that actually served this request
     prefix_stable: bool = True            # False when the template forced a plain prefill
+    fallback: str | None = None           # why reuse gave way to an exact prefill ("budget", or the failure)
     logits: list[Any] | None = None       # per generated token fp32 logits, when asked for
     # Where the time to first token went, in seconds by phase: queue (waiting for admission), plan,
     # ahead (queued ahead-of-time work run before admission), correct (of which select, recompute,

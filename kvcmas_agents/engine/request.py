@@ -52,7 +52,8 @@ class Request:
     finish_reason: str | None = None
     stop_reason: str | None = None
     aborted: bool = False
-    exact_fallback: bool = False           # admitted as an exact prefill: its reuse did not fit the budget
+    exact_fallback: bool = False           # served as an exact prefill: its reuse did not fit or failed
+    fallback: str | None = None            # why it fell back from reuse ("budget", or the failure)
     declare: bool = False                  # Engine.declare_agent's prefill of an agent's system prefix
     timings: Timings = field(default_factory=Timings)   # seconds by phase until the first token (timing.py)
     admitted_at: float | None = None

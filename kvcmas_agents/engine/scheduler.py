@@ -80,10 +80,13 @@ class Scheduler:
                         f"request {req.request_id} needs {need} KV blocks but only {self.room} of "
                         f"{self.store.num_blocks} can be freed with nothing else running"))
                     continue
-                self.budget_fallbacks += 1
+                if req.fallback is None:          # (a request requeued by a failure counts there)
+                    self.budget_fallbacks += 1
+                    req.fallback = "budget"
             self.waiting.popleft()
-            req.admitted_at = time.perf_counter()
-            req.timings.add("queue", req.admitted_at - req.arrival)
+            if req.admitted_at is None:
+                req.admitted_at = time.perf_counter()
+                req.timings.add("queue", req.admitted_at - req.arrival)
             req.reserved_blocks = need
             self._promised += need
             self.running.append(req)
@@ -94,6 +97,18 @@ class Scheduler:
         while need > self.room and self.reclaim():
             pass
         return need
+
+    def requeue_exact(self, req: Request) -> None:
+        """Send a running request back to the head of the queue as an exact prefill: its KV, promises and
+        reuse pins are released and its plan forgotten, so it is admitted again with nothing reused and
+        prefills its prompt (and the tokens it already produced, which stay its output)."""
+        if req in self.running:
+            self.running.remove(req)
+        self._unplan(req)
+        req.recomputed_tokens = req.indexed_blocks = req.index_parent = 0
+        req.registered, req.select_from, req.view_base = False, None, None
+        req.exact_fallback = True
+        self.waiting.appendleft(req)
 
     def _unplan(self, req: Request) -> None:
         self.release(req)

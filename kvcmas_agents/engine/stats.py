@@ -7,7 +7,7 @@ from typing import Any
 
 COUNTERS = ("requests", "declared", "declare_failed", "completed", "failed", "aborted", "prompt_tokens",
             "completion_tokens", "cached_tokens", "steps", "max_batch_seqs", "template_fallbacks",
-            "realign_refusals")
+            "realign_refusals", "reuse_fallbacks", "idle_work_failed")
 AGENT_KEYS = ("prompt_tokens", "completion_tokens", "cached_tokens", "reused_tokens", "recomputed_tokens")
 
 

@@ -3,10 +3,13 @@
     admit -> the reuse method prepares (at most one correction) -> schedule -> run -> postprocess
 
 then, when nothing waits or prefills, one unit of idle work (ahead-of-time corrections). A failing
-step is retried request by request, so that only the culprit fails.
+step is retried request by request, so that only the culprit fails. No request fails because an
+optimization did: a request whose correction or reused view fails is served again as an exact prefill
+(``fall_back``), and failing work off the critical path is dropped.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -27,6 +30,8 @@ from .scheduler import Scheduler, StepItem
 from .stats import Counters
 
 ADD, ABORT, CLOSE = "add", "abort", "close"
+
+log = logging.getLogger("kvcmas_agents.engine")
 
 
 class Worker:
@@ -100,7 +105,7 @@ class Worker:
         waiting = list(self.scheduler.waiting)
         t0 = time.perf_counter()
         for m in self.methods.values():
-            m.admitting({r.agent for r in waiting})
+            self._off_path(m.admitting, {r.agent for r in waiting})
         dt = time.perf_counter() - t0
         if dt > 1e-4:
             for r in waiting:
@@ -124,7 +129,7 @@ class Worker:
                         method.prepare(req)
                     req.num_computed = req.reuse_end
                 except Exception as exc:
-                    self.fail(req, EngineError(f"correction failed for {req.request_id}: {exc!r}"))
+                    self.fall_back(req, "correction", exc)
 
     def _idle(self) -> None:
         """Work off the critical path runs only while nothing waits and nobody is prefilling (e.g.
@@ -134,10 +139,35 @@ class Worker:
             return
         for m in self.methods.values():
             if m.has_idle_work():
-                m.idle({r.agent for r in sched.running})
+                self._off_path(m.idle, {r.agent for r in sched.running})
                 self.charge_state()
                 self.track_peak()
                 return
+
+    def _off_path(self, work: Any, agents: set[str]) -> None:
+        """Work off the critical path (ahead-of-time corrections) is an optimization: when it fails, the
+        unit is dropped (the requests correct inline) and counted, and the worker goes on."""
+        try:
+            work(agents)
+        except Exception as exc:
+            self.counters.add("idle_work_failed")
+            log.warning("kvcmas: work ahead of time failed and was dropped: %r", exc)
+
+    def fall_back(self, req: Request, where: str, exc: BaseException) -> None:
+        """A request whose reuse failed (its correction, or a step over its reused view) is served again as
+        an exact prefill of its prompt and of the tokens it already produced, which stay its output; the
+        failure is logged once and counted (``counters.reuse_fallbacks``), and its output says
+        ``reuse="none"`` and why (``RequestOutput.fallback``). A request with nothing to fall back from
+        (already exact) fails alone."""
+        if req.finish_reason is not None:
+            return
+        if req.exact_fallback or req.aborted:
+            return self.fail(req, EngineError(f"{where} failed for {req.request_id}: {exc!r}"))
+        req.fallback = f"{where} failed: {exc!r}"
+        self.counters.add("reuse_fallbacks")
+        log.warning("kvcmas: %s's %s failed under reuse=%r; served as an exact prefill instead: %r",
+                    req.request_id, where, req.options.reuse, exc)
+        self.scheduler.requeue_exact(req)
 
     # --- one budget: blocks and the state held outside them ------------------------------------------
     def state_bytes(self) -> int:
@@ -188,7 +218,7 @@ class Worker:
                 try:
                     results.append(([item], self.runner.run([item])))
                 except Exception as exc:
-                    self.fail(item.request, EngineError(f"forward failed for {item.request.request_id}: {exc!r}"))
+                    self.fall_back(item.request, "forward", exc)
         dt = time.perf_counter() - t0
         for req in waiting_first:             # the step's forward, before sampling may finish them
             req.timings.add("forward", dt)
@@ -239,9 +269,9 @@ class Worker:
             text = req.detok.push(tok)
         if req.detok.stopped:
             req.stop_reason = req.detok.matched_stop
-            return self.retire(req, "stop", text)
+            return self.retire(req, "stop", text, [tok])
         if len(req.output_ids) >= req.max_new_tokens:
-            return self.retire(req, "length", text)
+            return self.retire(req, "length", text, [tok])
         self.emit(req, StreamDelta(text=text, token_ids=[tok]))
 
     # --- the end of a request ------------------------------------------------------------------
@@ -253,8 +283,9 @@ class Worker:
                 req.aborted = True
                 self.retire(req, "aborted")
 
-    def retire(self, req: Request, reason: str, text: str = "") -> None:
-        """Finish a request: free its KV, record stats, and send the final event."""
+    def retire(self, req: Request, reason: str, text: str = "", token_ids: list[int] | None = None) -> None:
+        """Finish a request: free its KV, record stats, and send the final event (with the last token's
+        text and id, when it ends on one)."""
         req.finish_reason = reason
         try:    # e.g. the reply's decode KV becomes its home view; an error here costs only the reuse
             self.method(req).on_finish(req, reason)
@@ -274,7 +305,7 @@ class Worker:
             text += req.detok.finish()
         out = self._output(req)
         self.counters.record(req.agent, out.usage, out.ttft_s)
-        self.emit(req, StreamDelta(text=text, token_ids=[], finish_reason=out.finish_reason, output=out))
+        self.emit(req, StreamDelta(text=text, token_ids=token_ids or [], finish_reason=out.finish_reason, output=out))
 
     def fail(self, req: Request, exc: BaseException) -> None:
         if req.finish_reason is not None:
@@ -293,7 +324,8 @@ class Worker:
         usage = Usage(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                       cached_tokens=req.cached_tokens, reused_tokens=req.reused_tokens,
                       recomputed_tokens=req.recomputed_tokens,
-                      kept_tokens=req.cached_tokens + req.reused_tokens - recomputed_reused)
+                      kept_tokens=req.cached_tokens + req.reused_tokens - recomputed_reused,
+                      exact_fallback=req.exact_fallback)
         return RequestOutput(
             request_id=req.request_id, agent=req.agent, text=text, token_ids=list(req.output_ids),
             finish_reason=reason, ttft_s=(req.first_token_at or now) - req.arrival, latency_s=now - req.arrival,
@@ -302,5 +334,6 @@ class Worker:
             invalid_tool_calls=parsed.invalid_tool_calls if parsed else [],
             stop_reason=req.stop_reason,
             reuse=req.options.reuse if req.prompt.prefix_stable and not req.exact_fallback else "none",
+            fallback=req.fallback,
             prefix_stable=req.prompt.prefix_stable,
             logits=req.logits if req.sampling.return_logits else None, timings=dict(req.timings))
