@@ -43,6 +43,7 @@ class Scheduler:
         self._promised = 0           # reserved-but-unallocated blocks over running requests
         self.budget_fallbacks = 0    # requests admitted as exact prefills because their reuse did not fit
         self.reject: Callable[[Request, Exception], None] = lambda req, exc: None   # fails a request (the worker)
+        self.fell_back: Callable[[Request, Exception], None] = lambda req, exc: None   # its plan raised (the worker)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -152,8 +153,13 @@ class Scheduler:
         """Give the request KV it need not compute, before its prefill: its reuse method's plan. A
         prompt whose template is not prefix-stable, or that fell back for the budget, is prefilled whole."""
         if req.prompt.prefix_stable and not req.exact_fallback:
-            with req.timings.phase("plan"):
-                self.method_of(req).plan(req)
+            try:
+                with req.timings.phase("plan"):
+                    self.method_of(req).plan(req)
+            except Exception as exc:      # an optimization failed: the request is prefilled exactly
+                self._unplan(req)
+                req.exact_fallback = True
+                self.fell_back(req, exc)
 
     def finish(self, req: Request) -> None:
         """Release a request's KV (running or waiting); cached blocks stay indexed."""

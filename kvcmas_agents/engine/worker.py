@@ -46,6 +46,7 @@ class Worker:
         self.peak_total = 0
         self.state_over_budget = 0       # most bytes of state that could not be charged (in use by requests)
         scheduler.reject = self.fail
+        scheduler.fell_back = self.planned_exactly
         self._reclaim_homes = scheduler.reclaim
         scheduler.reclaim = self.reclaim
 
@@ -105,7 +106,7 @@ class Worker:
         waiting = list(self.scheduler.waiting)
         t0 = time.perf_counter()
         for m in self.methods.values():
-            self._off_path(m.admitting, {r.agent for r in waiting})
+            self._off_path(m, m.admitting, {r.agent for r in waiting})
         dt = time.perf_counter() - t0
         if dt > 1e-4:
             for r in waiting:
@@ -139,19 +140,27 @@ class Worker:
             return
         for m in self.methods.values():
             if m.has_idle_work():
-                self._off_path(m.idle, {r.agent for r in sched.running})
+                self._off_path(m, m.idle, {r.agent for r in sched.running})
                 self.charge_state()
                 self.track_peak()
                 return
 
-    def _off_path(self, work: Any, agents: set[str]) -> None:
-        """Work off the critical path (ahead-of-time corrections) is an optimization: when it fails, the
-        unit is dropped (the requests correct inline) and counted, and the worker goes on."""
+    def _off_path(self, method: ReuseMethod, work: Any, agents: set[str]) -> None:
+        """Work off the critical path (ahead-of-time corrections) is an optimization: when it raises, the
+        method's queued work is dropped (the requests correct inline) and counted, and the worker goes on."""
         try:
             work(agents)
         except Exception as exc:
             self.counters.add("idle_work_failed")
-            log.warning("kvcmas: work ahead of time failed and was dropped: %r", exc)
+            log.warning("kvcmas: %s's work ahead of time failed and was dropped: %r", method.name, exc)
+            method.drop_idle_work()
+
+    def planned_exactly(self, req: Request, exc: BaseException) -> None:
+        """The request's reuse plan raised: it is admitted as an exact prefill instead (``Scheduler.plan``)."""
+        req.fallback = f"plan failed: {exc!r}"
+        self.counters.add("reuse_fallbacks")
+        log.warning("kvcmas: %s's plan failed under reuse=%r; served as an exact prefill instead: %r",
+                    req.request_id, req.options.reuse, exc)
 
     def fall_back(self, req: Request, where: str, exc: BaseException) -> None:
         """A request whose reuse failed (its correction, or a step over its reused view) is served again as
@@ -227,7 +236,13 @@ class Worker:
         for group, logits in results:
             sampling = [it.request for it in group if it.samples]   # decided before committing
             for item in group:
-                self.scheduler.committed(item)
+                try:
+                    self.scheduler.committed(item)
+                except Exception as exc:     # the reuse method's bookkeeping (home views, prefetch queue)
+                    self.fall_back(item.request, "bookkeeping", exc)
+            running = [i for i, r in enumerate(sampling) if r in self.scheduler.running]
+            if len(running) < len(sampling):         # fell back: it samples again once recomputed
+                sampling, logits = [sampling[i] for i in running], logits[running]
             if sampling:
                 self._sample(sampling, logits)
 

@@ -129,3 +129,46 @@ async def test_a_view_failing_mid_decode_is_finished_exactly(monkeypatch):
         assert held_by_requests(engine) == 0
     finally:
         engine.close()
+
+
+async def test_a_failing_plan_admits_the_request_as_an_exact_prefill(monkeypatch, engine_none):
+    """Planning reuse that raises at admission fails nothing in flight: that request is prefilled exactly."""
+    from kvcmas_agents.reuse.cross_agent import CrossAgentMethod
+
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    try:
+        prompts = await _agent_turns(engine)
+
+        def broken(self, req):
+            raise KeyError("injected plan fault")
+        monkeypatch.setattr(CrossAgentMethod, "plan", broken)
+        out = await engine.generate([_system("tester")] + prompts[-1][1:], agent="tester", sampling=GREEDY)
+        exact = await engine_none.generate([_system("tester")] + prompts[-1][1:], agent="tester", sampling=GREEDY)
+        assert out.fallback is not None and out.fallback.startswith("plan failed") and out.reuse == "none"
+        assert out.token_ids == exact.token_ids
+        assert engine.stats()["counters"]["reuse_fallbacks"] == 1 and held_by_requests(engine) == 0
+    finally:
+        engine.close()
+
+
+async def test_failing_work_ahead_of_time_is_dropped_and_requests_go_on(monkeypatch):
+    """Ahead-of-time corrections that raise outside the prefetcher's own guard are dropped and counted;
+    the worker neither fails the requests in flight nor spins on the broken work."""
+    from kvcmas_agents.reuse.kvcmas.prefetch import Prefetcher
+
+    engine = Engine(EngineConfig(reuse="kvcmas"))
+    try:
+        engine.set_edges([("planner", "coder"), ("coder", "reviewer")])
+
+        def broken(self, *args):
+            raise RuntimeError("injected prefetch fault")
+        monkeypatch.setattr(Prefetcher, "run_one", broken)
+        monkeypatch.setattr(Prefetcher, "run_for", broken)
+        outs = await _rounds(engine, "Write a Python function that adds two numbers.", 2, GREEDY)
+        counters = engine.stats()["counters"]
+        assert counters["idle_work_failed"] >= 1, "no ahead-of-time work ran: nothing was tested"
+        assert counters["failed"] == 0 and all(o.finish_reason in ("stop", "length") for o in outs)
+        assert engine.stats()["reuse"]["kvcmas"]["prefetch"]["queued"] >= 1
+        assert held_by_requests(engine) == 0
+    finally:
+        engine.close()

@@ -81,6 +81,10 @@ class KVCMAS(CrossAgentMethod):
             return                            # requests are running: wait until none does
         self.prefetcher.run_one(busy)
 
+    def drop_idle_work(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.clear()
+
     # --- accounting ------------------------------------------------------------------------------
     def state_bytes(self) -> int:
         return self.ctx.segments.correction_bytes + self.kept_code_bytes()
