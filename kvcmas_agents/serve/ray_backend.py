@@ -210,6 +210,7 @@ class RayBackend:
         "memory"}``: counters and memory are the live replicas' figures summed; ``replacement`` is
         the supervisor's (failed starts, refused by the cap, starts in the window, the cap)."""
         self._ensure_health_check()
+        self.supervisor.retry_dead()          # slots the cap refused earlier, once the window has room
         per = await asyncio.gather(*(self._replica_stats(i) for i in range(self.config.replicas)))
         live = [s for s in per if s["alive"] and "counters" in s]
         sup = self.supervisor.stats()

@@ -160,20 +160,26 @@ async def test_a_killed_replica_fails_its_request_cleanly_its_session_moves_and_
 
 async def test_a_replica_found_dead_before_the_first_delta_is_skipped_and_the_request_answered(backend):
     """A replica that died while idle: the next request to it is re-routed, not failed (nothing was
-    streamed yet). With no replica left, requests fail at once with the clear error."""
+    streamed yet). A replacement that cannot start is not retried past the cap (no crash loop). With no
+    replica left, requests fail at once with the clear error."""
     engine = EngineConfig(reuse="kvcmas", kv_budget_bytes=128 * 1024**2)
+    policy = ReplacementConfig(max_replacements=1, backoff_s=0.1, health_check_s=None)
     fresh = RayBackend(RayBackendConfig(replicas=2, engine=engine, cpus_per_replica=0,    # beside the module's
-                                        replacement=ReplacementConfig(max_replacements=0)))   # the cap: none
+                                        replacement=policy))
     try:
         await workflow(fresh, "wf-r", turns=1, max_tokens=2)
         dead = fresh.replica_of("wf-r")
+        fresh.config.engine = EngineConfig(model=str(ROOT / "no-such-model"))    # replacements cannot start
         ray.kill(fresh.actor(dead))
         outs = await workflow(fresh, "wf-r", turns=2, max_tokens=3)
         assert len(outs) == 2 and fresh.replica_of("wf-r") == 1 - dead
         assert fresh.router.live == [1 - dead] and "ActorDiedError" in fresh.errors[dead]
-        stats = await fresh.stats()
+        deadline = time.monotonic() + 60
+        while (stats := await fresh.stats())["replacement"]["refused"] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         assert (stats["alive"], stats["replacing"], stats["replaced"]) == (1, 0, 0)
-        assert stats["replacement"]["refused"] == 1 and stats["replicas"][dead]["state"] == "dead"
+        assert stats["replacement"]["failed_starts"] == 1 and stats["replacement"]["in_window"] == 1
+        assert stats["replicas"][dead]["state"] == "dead"        # one start failed, the cap refused a second
         ray.kill(fresh.actor(1 - dead))
         deadline = time.monotonic() + 20            # the health check finds it with no request sent
         while not (found := await fresh.check_health()) and time.monotonic() < deadline:
