@@ -1,7 +1,7 @@
 """RayBackend on a local Ray cluster with 2 CPU replicas of the default model (real engines, no mocks).
 
-One cluster and one backend for the module; the test that kills one of its replicas (and waits for
-its replacement) runs after the others that use it (the last test brings up its own pair).
+One cluster and one backend for the module; the tests that kill its replicas (one, then waiting for
+its replacement; then both) run after the others that use it (the last test brings up its own pair).
 """
 from __future__ import annotations
 
@@ -156,6 +156,19 @@ async def test_a_killed_replica_fails_its_request_cleanly_its_session_moves_and_
     await workflow(backend, "wf-new", turns=1, max_tokens=2)                # new sessions reach it by load
     assert backend.replica_of("wf-new") == dead
     assert "wf-new-planner" in (await replica_stats(backend, dead))["agents"]
+
+
+async def test_a_request_is_retried_once_and_fails_clearly_when_the_retry_dies_too(backend):
+    backend.supervisor.config.enabled = False      # keep them dead: no model loads for the rest of the module
+    await workflow(backend, "wf-t", turns=1, max_tokens=2)
+    for replica in (0, 1):
+        ray.kill(backend.actor(replica))
+    with pytest.raises(ReplicaUnavailableError, match="failed on the retry of this request"):
+        await workflow(backend, "wf-t", turns=1, max_tokens=2)
+    assert backend.router.live == []
+    stats = await backend.stats()
+    assert (stats["alive"], stats["replacing"]) == (0, 0)
+    assert [r["state"] for r in stats["replicas"]] == ["dead", "dead"]
 
 
 async def test_a_replica_found_dead_before_the_first_delta_is_skipped_and_the_request_answered(backend):
