@@ -142,8 +142,10 @@ async def test_a_killed_replica_fails_its_request_cleanly_its_session_moves_and_
     assert backend.replica_of("wf-k") == 1 - dead
     assert len(outs) == 2 and all(o.usage.completion_tokens > 0 for o in outs)
     during = await backend.stats()
-    assert (during["alive"], during["replacing"], during["replaced"]) == (1, 1, 0)
-    assert during["replicas"][dead]["state"] == "replacing" and "wf-k-planner" in during["replicas"][1 - dead]["agents"]
+    # (usually still replacing then; on a fast machine the fresh one may already be up)
+    assert during["replacing"] + during["replaced"] == 1 and during["alive"] + during["replacing"] == 2
+    assert during["replicas"][dead]["state"] in ("replacing", "alive")
+    assert "wf-k-planner" in during["replicas"][1 - dead]["agents"]
     deadline = time.monotonic() + 120
     while (stats := await backend.stats())["replaced"] < 1 and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
