@@ -5,8 +5,11 @@ Plain Ray actors, not Ray Serve (docs/scale_out.md says why): the gateway proces
 new sessions go where the load is least. Deltas stream back through Ray streaming generators; closing
 a stream cancels the actor task, which aborts the engine request and frees its KV.
 
-Replicas are not restarted (``max_restarts=0``): a restarted engine has lost its KV cache, so the
-session would gain nothing by returning to it, and the gateway already re-routes to live replicas.
+A dead replica is replaced, not restarted by Ray (``max_restarts=0``): its sessions move at once to
+the live replicas (their KV died with it, so nothing is gained by waiting for it), and a fresh actor
+started in the background (serve/replacement.py) brings the replica count back to N, within a cap on
+replacements per time window. A request whose replica dies before its first delta is retried once
+on a live replica; one that had streamed fails with ReplicaUnavailableError.
 """
 from __future__ import annotations
 
@@ -24,13 +27,12 @@ from ray import exceptions as rex
 
 from ..engine import EngineConfig, SamplingParams, StreamDelta
 from ..errors import ReplicaUnavailableError
+from .replacement import REPLICA_DOWN as _REPLICA_DOWN
+from .replacement import ReplacementConfig, ReplicaSupervisor, kill_actor
 from .replica import EngineReplica
 from .router import AffinityRouter, RouterConfig
 
 log = logging.getLogger(__name__)
-
-# What a dead or unreachable replica raises (its own errors come as RayTaskError, unwrapped below).
-_REPLICA_DOWN = (rex.RayActorError, rex.WorkerCrashedError, rex.NodeDiedError, rex.OwnerDiedError)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class RayBackendConfig:
         max(1, floor(cpus_per_replica))), so replicas x threads matches the CPUs they reserve.
     runtime_env: the actors' Ray runtime_env (None: PYTHONPATH to this package when it runs from a
         source checkout, so the workers import the same copy).
+    replacement: how dead replicas are replaced (ReplacementConfig: cap, back-off, health check).
     """
 
     replicas: int = 2
@@ -58,6 +61,7 @@ class RayBackendConfig:
     runtime_env: dict[str, Any] | None = None
     ready_timeout_s: float = 600.0
     stats_timeout_s: float = 30.0
+    replacement: ReplacementConfig = field(default_factory=ReplacementConfig)
 
 
 def _source_checkout_env() -> dict[str, Any]:
@@ -100,6 +104,9 @@ class RayBackend:
             raise ReplicaUnavailableError(f"engine replicas failed to start: {exc}") from exc
         self.model_name = self.replica_info[0]["model_name"]
         self.max_context = self.replica_info[0]["max_context"]
+        self.supervisor = ReplicaSupervisor(cfg.replicas, cfg.replacement, self._spawn, self._install,
+                                            cfg.ready_timeout_s)
+        self._health: asyncio.Task | None = None
         self._closed = False
 
     # --- setup -----------------------------------------------------------------------------
@@ -143,16 +150,18 @@ class RayBackend:
                tools: list[dict] | None = None, tool_choice: Any = None, session: str | None = None,
                request_id: str | None = None) -> AsyncIterator[StreamDelta]:
         """Stream from the replica serving ``session``. A replica that dies before the first delta is
-        marked dead and the request goes to another; once deltas have flowed, it fails with
-        ReplicaUnavailableError (the client has seen part of an answer)."""
+        marked dead (and replaced) and the request is retried once on a live one; once deltas have
+        flowed, or when the retry's replica dies too, it fails with ReplicaUnavailableError."""
         return self._stream(messages, agent, sampling, tools, tool_choice, session, request_id)
 
     async def _stream(self, messages: list[dict], agent: str, sampling: SamplingParams,
                       tools: list[dict] | None, tool_choice: Any, session: str | None,
                       request_id: str | None) -> AsyncIterator[StreamDelta]:
-        while True:
-            replica = self.router.acquire(session)     # raises ReplicaUnavailableError when none is live
-            gen = self._actors[replica].stream.remote(messages, agent, sampling, tools, tool_choice, request_id)
+        self._ensure_health_check()
+        for attempt in range(2):            # one retry, and only while nothing was streamed
+            replica = self._acquire(session)
+            actor = self._actors[replica]
+            gen = actor.stream.remote(messages, agent, sampling, tools, tool_choice, request_id)
             started = finished = False
             try:
                 async for ref in gen:
@@ -161,10 +170,11 @@ class RayBackend:
                     yield delta
                 return
             except _REPLICA_DOWN as exc:
-                self._mark_dead(replica, exc)
-                if started:
+                self._mark_dead(replica, exc, actor)
+                if started or attempt == 1:
+                    what = "while serving this request" if started else "on the retry of this request"
                     raise ReplicaUnavailableError(
-                        f"engine replica {replica} failed while serving this request: {_first_line(exc)}") from exc
+                        f"engine replica {replica} failed {what}: {_first_line(exc)}") from exc
             except rex.RayTaskError as exc:      # the engine's own error (InvalidRequestError, ...)
                 raise _unwrap(exc) from None
             finally:
@@ -174,34 +184,66 @@ class RayBackend:
 
     async def set_edges(self, edges: Iterable[tuple[str, str]], session: str | None = None) -> None:
         """On the session's replica (assigning the session now); without a session, on every live one."""
+        self._ensure_health_check()
         edges = list(edges)
-        targets = self.router.live if session is None else [self.router.route(session)]
+        targets = self.router.live if session is None else [self._route(session)]
         await asyncio.gather(*(self._call(i, "set_edges", edges) for i in targets))
 
     async def count_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
-        while True:
-            replica = self.router.route(None)
+        self._ensure_health_check()
+        for attempt in range(2):
+            replica = self._route(None)
+            actor = self._actors[replica]
             try:
-                return await self._actors[replica].count_tokens.remote(messages, tools)
+                return await actor.count_tokens.remote(messages, tools)
             except _REPLICA_DOWN as exc:
-                self._mark_dead(replica, exc)
+                self._mark_dead(replica, exc, actor)
+                if attempt == 1:
+                    raise ReplicaUnavailableError(f"engine replica {replica} is down: {_first_line(exc)}") from exc
             except rex.RayTaskError as exc:
                 raise _unwrap(exc) from None
+        raise AssertionError("unreachable")
 
     async def stats(self) -> dict[str, Any]:
-        """``{"replicas": [{"replica", "alive", "sessions", "in_flight", **engine stats}], "alive",
-        "sessions", "counters", "memory"}``: the last two are the live replicas' figures summed."""
+        """``{"replicas": [{"replica", "alive", "state", "generation", "sessions", "in_flight",
+        **engine stats}], "alive", "replacing", "replaced", "replacement", "sessions", "counters",
+        "memory"}``: counters and memory are the live replicas' figures summed; ``replacement`` is
+        the supervisor's (failed starts, refused by the cap, starts in the window, the cap)."""
+        self._ensure_health_check()
+        self.supervisor.retry_dead()          # slots the cap refused earlier, once the window has room
         per = await asyncio.gather(*(self._replica_stats(i) for i in range(self.config.replicas)))
-        live = [s for s in per if s["alive"]]
-        return {"replicas": per, "alive": len(live), "sessions": len(self.router),
+        live = [s for s in per if s["alive"] and "counters" in s]
+        sup = self.supervisor.stats()
+        return {"replicas": per, "alive": sum(s["alive"] for s in per), "replacing": sup["replacing"],
+                "replaced": sup["replaced"], "replacement": sup, "sessions": len(self.router),
                 "counters": _sum_numbers([s["counters"] for s in live]),
                 "memory": _sum_numbers([s["memory"] for s in live])}
+
+    async def check_health(self) -> list[int]:
+        """Ping the live replicas; those found dead are marked so (and replaced). Returns them."""
+        async def ping(replica: int) -> int | None:
+            actor = self._actors[replica]
+            try:
+                await asyncio.wait_for(actor.info.remote(), self.config.stats_timeout_s)
+            except _REPLICA_DOWN as exc:
+                self._mark_dead(replica, exc, actor)
+                return replica
+            except asyncio.TimeoutError:      # busy (a long prefill holds its loop), not dead
+                pass
+            return None
+
+        dead = [r for r in await asyncio.gather(*(ping(i) for i in self.router.live)) if r is not None]
+        self.supervisor.retry_dead()          # slots the cap refused earlier, once the window has room
+        return dead
 
     async def aclose(self) -> None:
         """Kill the replicas (and the local Ray this backend started)."""
         if self._closed:
             return
         self._closed = True
+        if self._health is not None and not self._health.get_loop().is_closed():
+            self._health.cancel()
+        self.supervisor.close()
         self._kill_all()
 
     def _kill_all(self) -> None:
@@ -219,16 +261,19 @@ class RayBackend:
         return self._actors[replica]
 
     async def _call(self, replica: int, method: str, *args: Any) -> Any:
+        actor = self._actors[replica]
         try:
-            return await getattr(self._actors[replica], method).remote(*args)
+            return await getattr(actor, method).remote(*args)
         except _REPLICA_DOWN as exc:
-            self._mark_dead(replica, exc)
+            self._mark_dead(replica, exc, actor)
             raise ReplicaUnavailableError(f"engine replica {replica} is down: {_first_line(exc)}") from exc
         except rex.RayTaskError as exc:
             raise _unwrap(exc) from None
 
     async def _replica_stats(self, replica: int) -> dict[str, Any]:
-        head = {"replica": replica, "alive": self.router.replicas[replica].alive,
+        slot = self.supervisor.slots[replica]
+        head = {"replica": replica, "alive": self.router.replicas[replica].alive, "state": slot.state,
+                "generation": slot.generation,
                 "sessions": self.router.replicas[replica].sessions,
                 "in_flight": self.router.replicas[replica].in_flight}
         if head["alive"]:
@@ -236,18 +281,62 @@ class RayBackend:
                 got = await asyncio.wait_for(self._call(replica, "stats"), self.config.stats_timeout_s)
                 return {**head, **got}
             except ReplicaUnavailableError:
-                head["alive"] = False
+                head["alive"], head["state"] = False, self.supervisor.slots[replica].state
             except asyncio.TimeoutError:
                 head["error"] = f"stats timed out after {self.config.stats_timeout_s} s"
                 return head
         return {**head, "error": self.errors.get(replica, "")}
 
-    def _mark_dead(self, replica: int, exc: BaseException) -> None:
+    def _mark_dead(self, replica: int, exc: BaseException, actor: Any = None) -> None:
+        """``actor`` (the handle the failed call used) is dead: stop routing to its slot and replace it.
+        An error from an actor the slot no longer holds (a late failure of a replaced one) is ignored."""
+        if actor is not None and actor is not self._actors[replica]:
+            return
         if self.router.replicas[replica].alive:
             log.warning("engine replica %d is down; its sessions move to live replicas: %s",
                         replica, _first_line(exc))
             self.errors[replica] = _first_line(exc)
         self.router.mark_dead(replica)
+        self.supervisor.replica_died(replica)
+
+    def _install(self, replica: int, actor: Any, info: dict) -> None:
+        """A fresh actor is ready: it takes the slot, and new sessions reach it by load."""
+        if self._closed:
+            kill_actor(actor)
+            return
+        old, self._actors[replica] = self._actors[replica], actor
+        kill_actor(old)                # already dead; frees whatever Ray still holds for it
+        self.replica_info[replica] = info
+        self.router.mark_alive(replica)
+
+    def _route(self, session: str | None, acquire: bool = False) -> int:
+        try:
+            return self.router.acquire(session) if acquire else self.router.route(session)
+        except ReplicaUnavailableError as exc:
+            replacing = self.supervisor.stats()["replacing"]
+            if replacing:
+                raise ReplicaUnavailableError(f"{exc} ({replacing} being replaced: retry shortly)") from None
+            raise
+
+    def _acquire(self, session: str | None) -> int:
+        return self._route(session, acquire=True)
+
+    def _ensure_health_check(self) -> None:
+        """The periodic health check runs in the event loop serving requests (started on first use)."""
+        every = self.config.replacement.health_check_s
+        if every is None or self._closed:
+            return
+        loop = asyncio.get_running_loop()
+        if self._health is None or self._health.done() or self._health.get_loop() is not loop:
+            self._health = loop.create_task(self._health_loop(every))
+
+    async def _health_loop(self, every: float) -> None:
+        while not self._closed:
+            await asyncio.sleep(every)
+            try:
+                await self.check_health()
+            except Exception:          # never let one bad round end the checks
+                log.exception("replica health check failed")
 
 
 def _unwrap(exc: rex.RayTaskError) -> BaseException:

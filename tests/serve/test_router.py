@@ -107,3 +107,30 @@ def test_many_sessions_balance_over_replicas():
     for i in range(100):
         router.route(f"wf-{i}")
     assert [r.sessions for r in router.replicas] == [25, 25, 25, 25]
+
+
+def test_replacements_back_off_per_replica_and_stop_at_the_cap_within_the_window():
+    pytest.importorskip("ray")
+    from kvcmas_agents.serve.replacement import ReplacementBudget, ReplacementConfig
+
+    clock = Clock()
+    budget = ReplacementBudget(ReplacementConfig(max_replacements=3, window_s=100.0, backoff_s=2.0,
+                                                 backoff_max_s=5.0), clock=clock)
+    assert budget.delay(0) == 0.0 and budget.take(0)           # a slot's first: at once
+    assert budget.delay(0) == 2.0 and budget.take(0)           # its next ones wait, doubling
+    assert budget.delay(0) == 4.0 and budget.delay(1) == 0.0   # back-off is per slot
+    assert budget.take(1)
+    assert not budget.take(0) and not budget.take(1)           # the cap holds for all slots together
+    assert budget.in_window() == 3 and budget.in_window(0) == 2
+    clock.t = 99.0
+    assert not budget.take(0)
+    clock.t = 100.0                                            # the first starts leave the window
+    assert budget.in_window() == 0 and budget.delay(0) == 0.0 and budget.take(0)
+    for _ in range(3):
+        clock.t += 1.0
+        budget.take(1)
+    assert budget.in_window(1) == 2 and budget.delay(1) == 4.0
+    budget.config.max_replacements = 10
+    budget.take(1)
+    budget.take(1)
+    assert budget.delay(1) == 5.0                              # capped at backoff_max_s

@@ -83,7 +83,7 @@ def test_sessions_stick_to_replicas_through_http_and_share_kv_there(gateway):
     assert "kvcmas_engine_requests_total 6" in metrics                         # summed over replicas
 
 
-def test_a_replica_killed_mid_stream_ends_it_with_a_503_event_and_its_session_moves(gateway):
+def test_a_replica_killed_mid_stream_ends_it_with_a_503_event_its_session_moves_and_it_is_replaced(gateway):
     backend, client = gateway
     dead = backend.replica_of("http-a")
     body = {"model": "any", "stream": True, "max_tokens": 400,
@@ -102,7 +102,9 @@ def test_a_replica_killed_mid_stream_ends_it_with_a_503_event_and_its_session_mo
     history = [{"role": "user", "content": TASK}]
     turn(client, "http-a", "planner", history)                    # the session's next request
     assert backend.replica_of("http-a") == 1 - dead
-    assert client.get("/v1/kvcmas/stats").json()["alive"] == 1
+    stats = client.get("/v1/kvcmas/stats").json()                # the fresh replica loading, or up
+    assert (stats["alive"], stats["replacing"], stats["replaced"]) in ((1, 1, 0), (2, 0, 1))
+    assert stats["replicas"][dead]["state"] in ("replacing", "alive")
 
 
 def test_replica_unavailable_is_a_503():
