@@ -88,3 +88,14 @@ def test_unknown_fields_are_400_too(gateway):
     with gateway.client() as c:
         r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "min_p": 0.1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_p"
+
+
+def test_logprobs_of_constrained_output_floor_forbidden_tokens(client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=6, temperature=0, logprobs=True, top_logprobs=20,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    tops = [t.logprob for e in r.choices[0].logprobs.content for t in e.top_logprobs]
+    assert min(tops) == -9999.0 and all(t >= -9999.0 for t in tops)     # the grammar forbids most tokens
+    assert all(e.logprob > -9999.0 for e in r.choices[0].logprobs.content)
