@@ -141,7 +141,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):      # JSON objects key token ids by strings
-            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
+            self.logit_bias = {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v
                                for k, v in self.logit_bias.items()}
         if isinstance(self.stop, str):
             self.stop = [self.stop]

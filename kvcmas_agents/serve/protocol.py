@@ -15,13 +15,13 @@ from typing import Any, Mapping
 
 from ..engine import RequestOutput, SamplingParams
 from ..chat.tools import ToolCall
+from ..engine.config import MAX_LOGIT_BIAS
 from ..engine.logprobs import Logprob
 from .errors import APIError
 from .fields import check_fields
 
 # JSON has no -inf: a token the grammar forbids gets OpenAI's floor for "never".
 LOGPROB_FLOOR = -9999.0
-MAX_LOGIT_BIAS = 300
 
 @dataclass
 class ChatRequest:
@@ -68,7 +68,7 @@ def _logit_bias(body: Mapping) -> dict[int, float] | None:
                        "invalid_value")
     out: dict[int, float] = {}
     for key, value in bias.items():
-        if not str(key).strip().isdigit():
+        if not (str(key).isascii() and str(key).isdigit()):
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias", "invalid_value")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or not -100 <= value <= 100:

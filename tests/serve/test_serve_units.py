@@ -38,7 +38,7 @@ def test_parse_maps_openai_params_to_sampling():
     ({"n": 2}, "n"), ({"max_tokens": -1}, "max_tokens"), ({"temperature": "hot"}, "temperature"),
     ({"stream": "yes"}, "stream"), ({"tools": {}}, "tools"), ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"presence_penalty": -3}, "presence_penalty"), ({"logit_bias": {"1": 101}}, "logit_bias"),
-    ({"logit_bias": {"a": 1}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logit_bias": {"a": 1}}, "logit_bias"), ({"logit_bias": {"²": 1}}, "logit_bias"), ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
     ({"logprobs": "yes"}, "logprobs"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"tool_choice": "required"}, "tool_choice"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"), ({"modalities": ["text", "audio"]}, "modalities"),
