@@ -11,6 +11,7 @@ import torch
 
 from ..errors import ConfigError, InvalidRequestError
 from ..model.loader import DEFAULT_MODEL
+from ..model.logprobs import MAX_TOP_LOGPROBS
 from ..reuse import KVCMASConfig, ReuseOptions, StorageSpec, method_class
 from ..reuse.views import VIEW_PATHS
 
@@ -26,6 +27,7 @@ def _real(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+MAX_LOGIT_BIAS = 300          # OpenAI's limit on logit_bias entries
 _DEVICE = re.compile(r"(auto|cpu|cuda(:\d+)?)")
 
 
@@ -128,8 +130,19 @@ class SamplingParams:
     # OpenAI-style: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": {...}}}
     # constrains decoding to that JSON (docs/structured_output.md); None or {"type": "text"}: free text.
     response_format: dict[str, Any] | None = None
+    # OpenAI's penalties over the tokens generated so far in this request, each in [-2, 2]:
+    # logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None   # token id -> [-100, 100] added to its logit; <= 300 entries
+    # Record each generated token's logprob (and its top_logprobs alternatives, 0-20): see model/logprobs.py.
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):      # JSON objects key token ids by strings
+            self.logit_bias = {int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.stop, (list, tuple)) or self.stop is None:
@@ -159,3 +172,35 @@ class SamplingParams:
         rf = self.response_format
         if rf is not None and not (isinstance(rf, dict) and "type" in rf):
             raise InvalidRequestError(f"response_format must be a dict with a 'type', got {rf!r}")
+        self._validate_openai_extras()
+
+    def _validate_openai_extras(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _real(value) or not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {value!r}")
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequestError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids, "
+                                          f"got {type(bias).__name__} of {len(bias) if isinstance(bias, dict) else '?'}")
+            for tok, value in bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                    raise InvalidRequestError(f"logit_bias keys must be token ids (ints >= 0), got {tok!r}")
+                if not _real(value) or not -100.0 <= value <= 100.0:
+                    raise InvalidRequestError(f"logit_bias values must be numbers in [-100, 100], "
+                                              f"got {value!r} for token {tok}")
+        if not isinstance(self.logprobs, bool):
+            raise InvalidRequestError(f"logprobs must be a bool, got {self.logprobs!r}")
+        k = self.top_logprobs
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {k!r}")
+        if k and not self.logprobs:
+            raise InvalidRequestError("top_logprobs needs logprobs=True")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidRequestError when logit_bias names a token id the model does not have."""
+        bad = [t for t in (self.logit_bias or {}) if t >= vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias names token ids outside the vocabulary (size {vocab_size}): "
+                                      f"{sorted(bad)[:5]}")

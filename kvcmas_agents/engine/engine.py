@@ -342,6 +342,7 @@ class Engine:
             raise InvalidRequestError(f"reuse_options must be a ReuseOptions or None, got {type(options).__name__}")
         try:
             sampling.validate()
+            sampling.check_vocab(self.args.vocab_size)
             options.validate()
         except InvalidRequestError:
             raise

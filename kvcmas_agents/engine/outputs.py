@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..chat.tools import InvalidToolCall, ToolCall
+from .logprobs import Logprob
 
 
 @dataclass
@@ -60,6 +61,7 @@ class RequestOutput:
     prefix_stable: bool = True            # False when the template forced a plain prefill
     fallback: str | None = None           # why reuse gave way to an exact prefill ("budget", or the failure)
     logits: list[Any] | None = None       # per generated token fp32 logits, when asked for
+    logprobs: list[Logprob] | None = None  # per generated token, when sampling.logprobs (engine/logprobs.py)
     # Where the time to first token went, in seconds by phase: queue (waiting for admission), plan,
     # ahead (queued ahead-of-time work run before admission), correct (of which select, recompute,
     # compress), forward (engine steps carrying the request); the rest of ttft_s is waiting on others.
@@ -74,3 +76,4 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     output: RequestOutput | None = None
+    logprobs: list[Logprob] | None = None  # this delta's tokens' logprobs, when sampling.logprobs

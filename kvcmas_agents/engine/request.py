@@ -34,6 +34,8 @@ class Request:
     first_token_at: float | None = None
     output_ids: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)   # engine.logprobs.Logprob per sampled token
+    logprobs_sent: int = 0                 # how many of them stream deltas carried
     blocks: list[int] = field(default_factory=list)
     reserved_blocks: int = 0               # blocks promised at admission, not yet allocated
     num_computed: int = 0                  # tokens whose KV is in the cache

@@ -18,11 +18,13 @@ from typing import Any, Mapping
 import torch
 
 from ..cache.kv_store import KVStore
+from ..chat.token_bytes import TokenTexts
 from ..chat.tools import parse_tool_calls
 from ..errors import EngineClosedError, EngineError
 from ..model.sampling import Sampler
 from ..reuse.base import ReuseMethod
 from .handoffs import HandOffs
+from .logprobs import logprob_entry
 from .outputs import RequestOutput, StreamDelta, Usage
 from .request import Request
 from .runner import ModelRunner
@@ -40,6 +42,7 @@ class Worker:
                  counters: Counters, inbox: "queue.Queue[tuple[str, Any]]"):
         self.scheduler, self.methods, self.runner, self.store = scheduler, methods, runner, store
         self.sampler = Sampler()
+        self.token_texts = TokenTexts(tokenizer, tok_lock)
         self.tokenizer, self.tok_lock, self.stop_token_ids = tokenizer, tok_lock, stop_token_ids
         self.counters, self.inbox = counters, inbox
         self.handoffs = HandOffs()
@@ -248,16 +251,21 @@ class Worker:
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> None:
         try:
-            tokens = self.sampler(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
-                                  [r.grammar for r in reqs]).tolist()
+            picked = self.sampler.sample(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
+                                         [r.grammar for r in reqs], [r.output_ids for r in reqs])
+            tokens, steps = picked.tokens.tolist(), [(picked.logprobs, i) for i in range(len(reqs))]
         except Exception:
-            tokens = []
+            tokens, steps = [], []
             for i, r in enumerate(reqs):
                 try:
-                    tokens.append(int(self.sampler(logits[i:i + 1], [r.sampling], [r.generator], [r.grammar])[0]))
+                    alone = self.sampler.sample(logits[i:i + 1], [r.sampling], [r.generator], [r.grammar],
+                                                [r.output_ids])
+                    tokens.append(int(alone.tokens[0]))
+                    steps.append((alone.logprobs, 0))
                 except Exception as exc:
                     self.fail(r, EngineError(f"sampling failed: {exc!r}"))
                     tokens.append(None)
+                    steps.append((None, 0))
         for i, (req, tok) in enumerate(zip(reqs, tokens)):
             if tok is None or req.finish_reason is not None:
                 continue
@@ -267,6 +275,10 @@ class Worker:
             if forced is not None and len(req.output_ids) < len(forced):
                 tok = int(forced[len(req.output_ids)])
             try:
+                step, row = steps[i]
+                entry = step.get(row, tok) if step is not None else None
+                if entry is not None:    # a stopping EOS's entry is cut off later: logprobs follow output_ids
+                    req.logprobs.append(logprob_entry(entry, self.token_texts))
                 self._append_token(req, tok)
             except Exception as exc:
                 self.fail(req, EngineError(f"post-processing failed: {exc!r}"))
@@ -291,6 +303,9 @@ class Worker:
 
     # --- the end of a request ------------------------------------------------------------------
     def emit(self, req: Request, event: Any) -> None:
+        if req.sampling.logprobs and isinstance(event, StreamDelta):
+            end = len(req.output_ids)
+            event.logprobs, req.logprobs_sent = req.logprobs[req.logprobs_sent:end], end
         try:
             req.sink(event)
         except RuntimeError:     # the caller's event loop is gone: nobody is listening
@@ -351,4 +366,5 @@ class Worker:
             reuse=req.options.reuse if req.prompt.prefix_stable and not req.exact_fallback else "none",
             fallback=req.fallback,
             prefix_stable=req.prompt.prefix_stable,
-            logits=req.logits if req.sampling.return_logits else None, timings=dict(req.timings))
+            logits=req.logits if req.sampling.return_logits else None, timings=dict(req.timings),
+            logprobs=req.logprobs[:len(req.output_ids)] if req.sampling.logprobs else None)

@@ -36,7 +36,8 @@ from ._autogen_team import calling_agent_name, current_agent_name, team_edges
 
 __all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]
 
-_SAMPLING_ARGS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop")
+_SAMPLING_ARGS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop", "frequency_penalty",
+                  "presence_penalty", "logit_bias")
 _REUSE_ARGS = ("reuse", "recompute_ratio", "rank", "reference")
 _DONE = object()
 
@@ -51,6 +52,9 @@ class KVCMASClientConfig(BaseModel):
     top_k: int = 0
     seed: Optional[int] = None
     stop: Optional[list[str]] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
     agent: Optional[str] = None
     reuse: Optional[str] = None
     recompute_ratio: Optional[float] = None
@@ -75,8 +79,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
     Args:
         model: None or "smollm2-135m-instruct" for the default model, a checkpoint directory or a
             ``.gguf`` path. Clients naming the same model share one engine (``registry.get_engine``).
-        temperature, max_tokens, top_p, top_k, seed, stop: default sampling; ``extra_create_args``
-            may override them per call.
+        temperature, max_tokens, top_p, top_k, seed, stop, frequency_penalty, presence_penalty, logit_bias:
+            default sampling, with OpenAI's meaning and ranges; ``extra_create_args`` may override them per call.
         agent: the agent name to report when no AgentChat agent is calling (a calling agent's name wins,
             in a team or alone, then the running message handler's agent; ``extra_create_args={"agent": ...}``
             beats all).
@@ -94,11 +98,14 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
 
     def __init__(self, model: str | None = None, *, temperature: float = 0.0, max_tokens: int = 256,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
-                 agent: str | None = None, reuse: str | None = None, recompute_ratio: float | None = None,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 logit_bias: Mapping[int | str, float] | None = None, agent: str | None = None, reuse: str | None = None, recompute_ratio: float | None = None,
                  rank: int | None = None, reference: str | None = None, engine: Engine | None = None,
                  model_info: ModelInfo | None = None) -> None:
         self._defaults = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                        top_k=top_k, seed=seed, stop=list(stop or []))
+                                        top_k=top_k, seed=seed, stop=list(stop or []),
+                                        frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                        logit_bias=dict(logit_bias) if logit_bias is not None else None)
         self._defaults.validate()
         if agent is not None and (not isinstance(agent, str) or not agent):
             raise ValueError("agent must be a non-empty string")
@@ -281,6 +288,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         d = self._defaults
         return KVCMASClientConfig(model=self._model, temperature=d.temperature, max_tokens=d.max_tokens,
                                   top_p=d.top_p, top_k=d.top_k, seed=d.seed, stop=list(d.stop) or None,
+                                  frequency_penalty=d.frequency_penalty, presence_penalty=d.presence_penalty,
+                                  logit_bias=d.logit_bias,
                                   agent=self._agent, reuse=self._reuse.reuse,
                                   recompute_ratio=self._reuse.recompute_ratio, rank=self._reuse.rank,
                                   reference=self._reuse.reference, model_info=self._model_info)

@@ -25,7 +25,8 @@ from ._lc_sync import iterate_sync
 from ..chat.tool_filter import ToolBlockFilter
 
 DEFAULT_AGENT = "default"
-_SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "seed")
+_SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty",
+                  "logit_bias")
 _REUSE_KEYS = ("reuse", "recompute_ratio", "rank", "reference")
 _IGNORED_KEYS = ("stream", "parallel_tool_calls", "strict")   # accepted for API compatibility; no effect
 # Constructor names other chat models use for our fields (ChatOpenAI, ChatOllama, ChatAnthropic).
@@ -65,6 +66,12 @@ class ChatKVCMAS(BaseChatModel):
     seed: int | None = None
     stop: list[str] | None = None
     """Stop strings; a per-call ``stop`` replaces these (as in ChatOpenAI)."""
+    frequency_penalty: float | None = None
+    """As ChatOpenAI's: in [-2, 2], times how often a token was generated so far, off its logit."""
+    presence_penalty: float | None = None
+    """As ChatOpenAI's: in [-2, 2], off the logit of every token generated so far."""
+    logit_bias: dict[int, int] | None = None
+    """As ChatOpenAI's: token id -> [-100, 100] added to its logit (at most 300)."""
     streaming: bool = False
     """Stream by default (``invoke`` then goes through ``_stream``)."""
     agent: str | None = None
@@ -106,6 +113,8 @@ class ChatKVCMAS(BaseChatModel):
     @model_validator(mode="after")
     def _check_reuse_options(self) -> "ChatKVCMAS":
         self._reuse_options({}).validate()
+        SamplingParams(frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                       logit_bias=self.logit_bias).validate()
         return self
 
     # --- LangChain metadata ------------------------------------------------------------------
@@ -128,6 +137,8 @@ class ChatKVCMAS(BaseChatModel):
         return {"model": self.model or DEFAULT_MODEL, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stop": self.stop, "agent": self.agent, "reuse": self.reuse,
+                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                "logit_bias": self.logit_bias,
                 "recompute_ratio": self.recompute_ratio, "rank": self.rank, "reference": self.reference}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
@@ -218,13 +229,14 @@ class ChatKVCMAS(BaseChatModel):
         return ReuseOptions(**{k: overrides.get(k, getattr(self, k)) for k in _REUSE_KEYS})
 
     def _sampling(self, stop: list[str] | None, overrides: dict[str, Any]) -> SamplingParams:
-        params = {"temperature": self.temperature, "max_tokens": self.max_tokens, "top_p": self.top_p,
-                  "top_k": self.top_k, "seed": self.seed, **overrides}
+        params = {k: getattr(self, k) for k in _SAMPLING_KEYS} | overrides
         return SamplingParams(
             max_tokens=params["max_tokens"], temperature=params["temperature"],
             top_p=1.0 if params["top_p"] is None else params["top_p"],
             top_k=0 if params["top_k"] is None else params["top_k"], seed=params["seed"],
-            stop=list(self.stop or []) if stop is None else list(stop))
+            stop=list(self.stop or []) if stop is None else list(stop),
+            frequency_penalty=params["frequency_penalty"] or 0.0, presence_penalty=params["presence_penalty"] or 0.0,
+            logit_bias=dict(params["logit_bias"]) if params["logit_bias"] else None)
 
     # --- tools and structured output -----------------------------------------------------------
     def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool], *,

@@ -1,12 +1,16 @@
-"""Next-token selection: greedy, temperature, top-k and top-p sampling."""
+"""Next-token selection: penalties and logit bias, greedy, temperature, top-k and top-p sampling, and the
+sampled tokens' logprobs."""
 from __future__ import annotations
 
 import os
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Mapping, Protocol, Sequence
 
 import torch
 
 from .grammar import GrammarState, apply_masks
+from .logit_adjust import adjust_rows, needs_adjust
+from .logprobs import StepLogprobs
 
 
 class SamplingSettings(Protocol):
@@ -15,6 +19,11 @@ class SamplingSettings(Protocol):
     temperature: float
     top_p: float
     top_k: int
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: Mapping[int, float] | None
+    logprobs: bool
+    top_logprobs: int
 
 # Dividing by a near-zero temperature can overflow fp32 logits to inf (then NaN in softmax).
 _MIN_TEMPERATURE = 1e-6
@@ -69,6 +78,14 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
     return torch.multinomial(probs, 1, generator=gen)
 
 
+@dataclass
+class SampleResult:
+    """A step's next tokens ([B] int64, CPU) and, for rows that asked, their logprobs."""
+
+    tokens: torch.Tensor
+    logprobs: StepLogprobs | None = None
+
+
 class Sampler:
     """Turns a batch of last-token logits into next token ids, one set of sampling settings per row.
 
@@ -87,8 +104,21 @@ class Sampler:
         params: Sequence[SamplingSettings],
         generators: list[torch.Generator | None],
         grammars: Sequence[GrammarState | None] | None = None,
+        histories: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """Return next token ids as a [B] int64 CPU tensor for ``logits`` of shape [B, V]."""
+        return self.sample(logits, params, generators, grammars, histories).tokens
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingSettings],
+        generators: list[torch.Generator | None],
+        grammars: Sequence[GrammarState | None] | None = None,
+        histories: Sequence[Sequence[int]] | None = None,
+    ) -> SampleResult:
+        """Next tokens for ``logits`` [B, V]; ``histories`` are the tokens each row generated so far
+        (what penalties count)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
         batch, vocab = logits.shape
@@ -97,16 +127,29 @@ class Sampler:
                              f"{len(params)} params, {len(generators)} generators")
         if grammars is not None and len(grammars) != batch:
             raise ValueError(f"need one grammar (or None) per row: {batch} rows, {len(grammars)} grammars")
+        if histories is not None and len(histories) != batch:
+            raise ValueError(f"need one history per row: {batch} rows, {len(histories)} histories")
         x = logits.float()
+        adjusted = [i for i, p in enumerate(params) if needs_adjust(p)]
         constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
+        if (adjusted or constrained) and x is logits:
+            x = x.clone()          # ``logits`` is never written
+        if adjusted:
+            adjust_rows(x, adjusted, params, histories)
         if constrained:
-            x = x.clone() if x is logits else x
             apply_masks(x, constrained, [grammars[i] for i in constrained])
         out = torch.argmax(x, dim=-1)
 
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]
-        if not sampled:
-            return out.cpu()
+        if sampled:
+            self._draw_rows(x, out, sampled, params, generators)
+        return SampleResult(out.cpu(), self._logprobs(x, out, params))   # one host copy for the tokens
+
+    @staticmethod
+    def _draw_rows(x: torch.Tensor, out: torch.Tensor, sampled: list[int], params: Sequence[SamplingSettings],
+                   generators: list[torch.Generator | None]) -> None:
+        """Overwrite ``out`` at the rows that sample (temperature > 0) with their draws."""
+        vocab = x.shape[-1]
         temps = torch.tensor([max(params[i].temperature, _MIN_TEMPERATURE) for i in sampled],
                              dtype=torch.float32, device=x.device)
         scaled = x[sampled] / temps.unsqueeze(1)
@@ -131,4 +174,14 @@ class Sampler:
                 rows.append(i)
                 picks.append(order[row, _draw(probs[row], generators[i])])
         out[torch.tensor(rows, device=x.device)] = torch.cat(picks)
-        return out.cpu()  # the single device-to-host copy per step
+
+    @staticmethod
+    def _logprobs(x: torch.Tensor, out: torch.Tensor, params: Sequence[SamplingSettings]) -> StepLogprobs | None:
+        """log_softmax of the processed logits (temperature applied, 1 for greedy rows) of rows asking."""
+        rows = [i for i, p in enumerate(params) if getattr(p, "logprobs", False)]
+        if not rows:
+            return None
+        temps = torch.tensor([max(params[i].temperature, _MIN_TEMPERATURE) if params[i].temperature > 0 else 1.0
+                              for i in rows], dtype=torch.float32, device=x.device)
+        logp = torch.log_softmax(x[rows] / temps.unsqueeze(1), dim=-1)
+        return StepLogprobs(rows, logp, out[rows], [int(params[i].top_logprobs or 0) for i in rows])

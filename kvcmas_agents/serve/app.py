@@ -18,8 +18,9 @@ from .backend import Backend
 from .config import ServeConfig
 from .errors import APIError, from_exception
 from .metrics import CONTENT_TYPE, Metrics
+from .models import check_model, model_ids
 from .naming import AGENT_HEADER, SESSION_HEADER, agent_name, session_key
-from .protocol import completion_json, new_completion_id, parse_chat_request
+from .protocol import completion_json, new_completion_id, parse_chat_request, tool_names
 from .streaming import ClientGone, SSEResponse, aclose, sse_chunks, until_disconnect
 
 
@@ -50,6 +51,7 @@ def create_app(backend: Backend, config: ServeConfig | None = None, *, close_bac
     config = config or ServeConfig()
     metrics = Metrics()
     model_name = config.model_name or backend.model_name
+    served_ids = model_ids(model_name, backend.model_name, config.model_aliases)
     prompt_limit = min(config.max_prompt_tokens or backend.max_context, backend.max_context)
 
     @asynccontextmanager
@@ -93,9 +95,7 @@ def create_app(backend: Backend, config: ServeConfig | None = None, *, close_bac
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth)
     async def model(model_id: str) -> dict:
-        if model_id != model_name:
-            raise APIError(404, f"model {model_id!r} not found; this server serves {model_name!r}", "model",
-                           "model_not_found")
+        check_model(model_id, served_ids)
         return _model_card(model_name, backend.max_context)
 
     @app.get("/metrics", dependencies=auth)
@@ -147,8 +147,9 @@ def create_app(backend: Backend, config: ServeConfig | None = None, *, close_bac
 
     async def _chat(request: Request) -> Response:
         req = parse_chat_request(await read_json(request, config.max_body_bytes), config.default_max_tokens)
+        check_model(req.model, served_ids)
         agent = agent_name(request.headers, req.user, req.metadata, req.messages)
-        session = session_key(request.headers, req.metadata)
+        session = session_key(request.headers, req.metadata, req.prompt_cache_key)
         if prompt_limit < backend.max_context:
             n = await backend.count_tokens(req.messages, req.tools)
             if n > prompt_limit:
@@ -170,7 +171,7 @@ def create_app(backend: Backend, config: ServeConfig | None = None, *, close_bac
             await aclose(stream)
             metrics.finished(output)
             metrics.outcome("ok")
-            return JSONResponse(completion_json(cid, model_name, output), headers=headers)
+            return JSONResponse(completion_json(cid, model_name, output, req.parallel_tool_calls), headers=headers)
 
         settled = False
 
@@ -185,9 +186,10 @@ def create_app(backend: Backend, config: ServeConfig | None = None, *, close_bac
             metrics.in_flight -= 1
 
         body = sse_chunks(first, stream, cid=cid, model=model_name, created=int(time.time()),
-                          hide_tools=bool(req.tools), include_usage=req.include_usage,
+                          tool_names=tool_names(req.tools), include_usage=req.include_usage,
                           on_output=lambda out: settle("ok", out),
-                          on_error=lambda status: settle(_outcome(status)))
+                          on_error=lambda status: settle(_outcome(status)),
+                          max_tool_calls=None if req.parallel_tool_calls else 1)
         response = SSEResponse(body, on_close=lambda: settle("cancelled"))
         response.headers.update(headers)
         return response

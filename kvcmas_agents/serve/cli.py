@@ -29,6 +29,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=512,
                         help="completion cap when a request names none (default 512)")
     parser.add_argument("--served-model-name", default=None, help="model id to report (default: the model's)")
+    parser.add_argument("--model-alias", action="append", default=[], metavar="ID",
+                        help="another model id requests may name (repeatable); other ids get 404")
     parser.add_argument("--graceful-shutdown-s", type=float, default=30.0,
                         help="how long shutdown waits for requests in flight (default 30)")
     parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
@@ -48,6 +50,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                        api_key=args.api_key or os.environ.get("KVCMAS_API_KEY") or None,
                        max_body_bytes=int(args.max_body_mib * MIB), max_prompt_tokens=args.max_prompt_tokens,
                        default_max_tokens=args.default_max_tokens, model_name=args.served_model_name,
+                       model_aliases=tuple(args.model_alias),
                        graceful_shutdown_s=args.graceful_shutdown_s)
 
 

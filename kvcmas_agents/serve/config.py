@@ -14,7 +14,9 @@ class ServeConfig:
         ``context_length_exceeded``; None means the model's context window.
     default_max_tokens: completion cap when a request names none.
     model_name: the id /v1/models lists and responses carry (default: the backend's model name).
-        Requests may name any model: there is one, and clients insist on sending a name.
+    model_aliases: more ids requests may name (e.g. the id a client hard-codes). Besides these, the
+        backend's model name and, for the default model, ``HuggingFaceTB/SmolLM2-135M-Instruct`` are
+        accepted; any other model is a 404 ``model_not_found`` (serve/models.py).
     disconnect_poll_s: how often a non-streaming request checks whether its client went away.
     """
 
@@ -25,5 +27,6 @@ class ServeConfig:
     max_prompt_tokens: int | None = None
     default_max_tokens: int = 512
     model_name: str | None = None
+    model_aliases: tuple[str, ...] = ()
     disconnect_poll_s: float = 0.1
     graceful_shutdown_s: float = 30.0

@@ -11,7 +11,7 @@ from ..errors import ContextLengthError, EngineClosedError, EngineError, Invalid
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
 _PARAMS = ("messages", "tools", "tool_choice", "response_format", "max_tokens", "temperature", "top_p", "top_k",
-           "seed", "stop")
+           "seed", "stop", "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "top_logprobs")
 
 
 @dataclass

@@ -15,10 +15,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ..chat.tool_filter import ToolBlockFilter
+from ..chat.tool_stream import ToolCallStreamer, ToolDelta
 from ..engine import RequestOutput, StreamDelta
 from .errors import from_exception
-from .protocol import chunk_json, finish_reason, tool_call_json, usage_json
+from .protocol import chunk_json, finish_reason, logprobs_json, usage_json
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
@@ -83,33 +83,44 @@ def _event(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def tool_delta_json(d: ToolDelta) -> dict:
+    """OpenAI's streamed tool call: the first delta names the call, later ones carry argument text."""
+    if d.id is not None:
+        return {"index": d.index, "id": d.id, "type": "function",
+                "function": {"name": d.name, "arguments": d.arguments}}
+    return {"index": d.index, "function": {"arguments": d.arguments}}
+
+
 async def sse_chunks(first: StreamDelta, rest: AsyncIterator[StreamDelta], *, cid: str, model: str,
-                     created: int, hide_tools: bool, include_usage: bool,
-                     on_output: Callable[[RequestOutput], None],
-                     on_error: Callable[[int], None]) -> AsyncIterator[str]:
+                     created: int, tool_names: set[str] | None, include_usage: bool,
+                     on_output: Callable[[RequestOutput], None], on_error: Callable[[int], None],
+                     max_tool_calls: int | None = None) -> AsyncIterator[str]:
     """``chat.completion.chunk`` events for a stream whose first delta has arrived, then ``[DONE]``.
 
-    Tool-call blocks are held out of the content and sent as ``tool_calls`` deltas (one per call, with its
-    full arguments) once the request finishes, as the engine parses calls from the finished text.
+    With tools, the model's tool-call blocks never reach the content: each call streams as OpenAI's
+    ``tool_calls`` deltas while it is generated (chat/tool_stream.py says how a cut call stays invalid).
     """
-    hide = ToolBlockFilter() if hide_tools else None
+    tools = ToolCallStreamer(tool_names, max_tool_calls) if tool_names else None
 
-    def chunk(delta: dict | None, finish: str | None = None, usage: dict | None = None) -> str:
-        return _event(chunk_json(cid, model, created, delta, finish, usage, with_usage=include_usage))
+    def chunk(delta: dict | None, finish: str | None = None, usage: dict | None = None,
+              logprobs: dict | None = None) -> str:
+        return _event(chunk_json(cid, model, created, delta, finish, usage, with_usage=include_usage,
+                                 logprobs=logprobs))
 
     try:
         yield chunk({"role": "assistant", "content": ""})
         delta: StreamDelta | None = first
         while delta is not None:
-            text = hide.push(delta.text) if hide else delta.text
+            text, calls = tools.push(delta.text) if tools else (delta.text, [])
             out = delta.output
-            if out is not None and hide:
-                text += hide.flush()
-            if text:
-                yield chunk({"content": text})
+            if out is not None and tools:
+                more_text, more_calls = tools.finish(out.tool_calls)
+                text, calls = text + more_text, calls + more_calls
+            if text or delta.logprobs:
+                yield chunk({"content": text}, logprobs=logprobs_json(delta.logprobs))
+            for call in calls:
+                yield chunk({"tool_calls": [tool_delta_json(call)]})
             if out is not None:
-                for i, call in enumerate(out.tool_calls):
-                    yield chunk({"tool_calls": [tool_call_json(call, i)]})
                 yield chunk({}, finish_reason(out))
                 if include_usage:
                     yield chunk(None, usage=usage_json(out))

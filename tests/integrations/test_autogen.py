@@ -229,6 +229,24 @@ def test_reuse_knobs_reach_each_request(engine):
         client._prepare(HELLO, [], "auto", None, {"reference": "nowhere"})
 
 
+async def test_openai_penalties_and_logit_bias_as_in_the_openai_client(engine):
+    client = KVCMASClient(engine=engine, max_tokens=3, frequency_penalty=0.5, logit_bias={"7": -100})
+    prepared = client._prepare(HELLO, [], "auto", None, {"presence_penalty": -1.0})
+    s = prepared.sampling
+    assert (s.frequency_penalty, s.presence_penalty, s.logit_bias) == (0.5, -1.0, {7: -100})
+    assert client._to_config().logit_bias == {7: -100}
+    assert ChatCompletionClient.load_component(client.dump_component())._to_config() == client._to_config()
+    with pytest.raises(ValueError, match="frequency_penalty"):
+        KVCMASClient(engine=engine, frequency_penalty=3)
+    with pytest.raises(ValueError, match="logit_bias"):
+        client._prepare(HELLO, [], "auto", None, {"logit_bias": {1: 500}})
+    plain = KVCMASClient(engine=engine, max_tokens=3)
+    await plain.create(HELLO)
+    first = plain.last_output.token_ids[0]
+    await plain.create(HELLO, extra_create_args={"logit_bias": {first: -100}})
+    assert plain.last_output.token_ids[0] != first
+
+
 # --- conversion units -----------------------------------------------------------------------------
 def test_message_conversion_with_tool_calls():
     msgs = to_engine_messages([

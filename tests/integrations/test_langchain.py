@@ -187,6 +187,19 @@ async def test_sampling_fields_and_per_call_overrides(llm):
     assert a.content == b.content
 
 
+async def test_openai_penalties_and_logit_bias_as_in_chat_openai(llm):
+    biased = llm.model_copy(update={"frequency_penalty": 0.5, "presence_penalty": -1.0, "logit_bias": {7: -100}})
+    s = biased._sampling(None, {})
+    assert (s.frequency_penalty, s.presence_penalty, s.logit_bias) == (0.5, -1.0, {7: -100})
+    assert llm._sampling(None, {}).logit_bias is None and llm._sampling(None, {}).frequency_penalty == 0.0
+    with pytest.raises(ValueError, match="presence_penalty"):
+        ChatKVCMAS(engine=llm.engine, presence_penalty=2.5)
+    plain = await llm.bind(max_tokens=3).ainvoke("Hello")
+    first = llm.engine.tokenize(plain.content)[0]
+    banned = await llm.bind(max_tokens=3, logit_bias={first: -100}).ainvoke("Hello")
+    assert llm.engine.tokenize(banned.content)[:1] != [first]
+
+
 async def test_call_stop_replaces_the_field_as_in_chat_openai(engine_prefix):
     base = await ChatKVCMAS(engine=engine_prefix, max_tokens=24).ainvoke("Hello")
     assert "assist" in base.content    # "Hello! How can I assist you today?"
@@ -393,8 +406,9 @@ def test_constructor_arguments_map_warn_or_raise():
     assert ChatKVCMAS(max_completion_tokens=7).max_tokens == 7
     with pytest.warns(UserWarning, match=r"\['max_retries', 'timeout'\] has no effect"):
         assert ChatKVCMAS(timeout=3, max_retries=2).max_tokens == 256
-    with pytest.raises(ValueError, match=r"unexpected arguments \['frequency_penalty'\]"):
-        ChatKVCMAS(frequency_penalty=0.5)
+    with pytest.raises(ValueError, match=r"unexpected arguments \['mirostat'\]"):
+        ChatKVCMAS(mirostat=1)
+    assert ChatKVCMAS(frequency_penalty=0.5).frequency_penalty == 0.5      # a ChatOpenAI field, here too
     with pytest.raises(ValueError, match="alias 'num_predict'"):
         ChatKVCMAS(max_tokens=4, num_predict=5)
 

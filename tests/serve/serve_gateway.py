@@ -12,3 +12,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+MODEL = "smollm2-135m-instruct"      # the default model's id: requests naming another model get 404

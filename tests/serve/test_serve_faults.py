@@ -10,7 +10,9 @@ from kvcmas_agents.errors import EngineError
 from kvcmas_agents.serve import LocalBackend
 from kvcmas_agents.serve.app import create_app
 
-BODY = {"model": "m", "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6,
+from serve_gateway import MODEL  # type: ignore[import-not-found]
+
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 6,
         "temperature": 0}
 
 

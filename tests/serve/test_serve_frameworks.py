@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from serve_gateway import API_KEY  # type: ignore[import-not-found]
+from serve_gateway import API_KEY, MODEL  # type: ignore[import-not-found]
 from kvcmas_agents.serve.naming import derived_agent
 
 ROLES = ("planner", "coder", "reviewer")
@@ -31,7 +31,7 @@ def test_langgraph_three_agents_on_chat_openai(gateway):
     assert gateway.stats()["edges"] == [["planner", "coder"], ["coder", "reviewer"]]
 
     def node(role: str):
-        llm = ChatOpenAI(model="smollm2", base_url=gateway.base_url, api_key=API_KEY, temperature=0,
+        llm = ChatOpenAI(model=MODEL, base_url=gateway.base_url, api_key=API_KEY, temperature=0,
                          max_tokens=10, max_retries=0,
                          default_headers={"X-KVCMAS-Agent": role, "X-KVCMAS-Session": session})
 
@@ -69,7 +69,7 @@ async def test_autogen_round_robin_on_openai_client(gateway):
     from autogen_ext.models.openai import OpenAIChatCompletionClient
 
     client = OpenAIChatCompletionClient(
-        model="smollm2-135m-instruct", base_url=gateway.base_url, api_key=API_KEY, temperature=0,
+        model=MODEL, base_url=gateway.base_url, api_key=API_KEY, temperature=0,
         max_tokens=10, max_retries=0,
         model_info={"vision": False, "function_calling": True, "json_output": True,
                     "structured_output": True, "family": "unknown"})

@@ -6,7 +6,7 @@ import json
 import openai
 import pytest
 
-from serve_gateway import API_KEY  # type: ignore[import-not-found]
+from serve_gateway import API_KEY, MODEL  # type: ignore[import-not-found]
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city",
@@ -29,7 +29,7 @@ def test_models_lists_the_served_model(client, gateway):
 
 
 def test_sync_completion_and_usage(client):
-    r = client.chat.completions.create(model="anything", messages=ASK, max_tokens=6, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0)
     choice = r.choices[0]
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert choice.message.role == "assistant" and choice.message.content
@@ -41,7 +41,7 @@ def test_sync_completion_and_usage(client):
     assert u.prompt_tokens_details.cached_tokens == ext["kept_tokens"]
     assert ext["reuse"] == "kvcmas" and ext["agent"].startswith("sys-")
     # The same request again: its whole prompt prefix is cached now and reported as such.
-    again = client.chat.completions.create(model="anything", messages=ASK, max_tokens=6, temperature=0)
+    again = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=6, temperature=0)
     assert again.choices[0].message.content == choice.message.content      # greedy
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
@@ -49,9 +49,9 @@ def test_sync_completion_and_usage(client):
 async def test_async_client_and_streaming_match_non_streaming(gateway):
     aclient = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=API_KEY, max_retries=0)
     msgs = [{"role": "user", "content": "Count from one to five in words."}]
-    whole = await aclient.chat.completions.create(model="m", messages=msgs, max_tokens=8, temperature=0)
+    whole = await aclient.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0)
     chunks = [c async for c in await aclient.chat.completions.create(
-        model="m", messages=msgs, max_tokens=8, temperature=0, stream=True,
+        model=MODEL, messages=msgs, max_tokens=8, temperature=0, stream=True,
         stream_options={"include_usage": True})]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -65,7 +65,7 @@ async def test_async_client_and_streaming_match_non_streaming(gateway):
 
 def test_forced_tool_choice_gives_a_well_formed_call(client):
     r = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=40, temperature=0)
     choice = r.choices[0]
@@ -76,29 +76,41 @@ def test_forced_tool_choice_gives_a_well_formed_call(client):
     # The call and its result go back as OpenAI messages; the model answers in text.
     history = [{"role": "user", "content": "What is the weather in Paris?"}, choice.message.model_dump(),
                {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "clear"}'}]
-    r = client.chat.completions.create(model="m", messages=history, tools=[WEATHER, CLOCK], tool_choice="none",
+    r = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, CLOCK], tool_choice="none",
                                        max_tokens=8, temperature=0)
     assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
 
 
 def test_streamed_tool_call_deltas(client):
-    stream = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
-        tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
-        max_tokens=40, temperature=0, stream=True)
-    chunks = list(stream)
-    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [(tc.index, tc.function.name) for tc in calls] == [(0, "get_time")]
-    assert "tz" in json.loads(calls[0].function.arguments)
+    """As OpenAI streams a call: a first delta with index, id, type and name (arguments ""), then argument
+    fragments only; the openai client's own accumulation gives the same call as the non-streamed reply."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "What time is it in Tokyo?"}],
+               tools=[WEATHER, CLOCK], tool_choice={"type": "function", "function": {"name": "get_time"}},
+               max_tokens=40, temperature=0)
+    whole = client.chat.completions.create(**ask).choices[0].message.tool_calls[0]
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    head, fragments = deltas[0], deltas[1:]
+    assert (head.index, head.type, head.function.name, head.function.arguments) == (0, "function", "get_time", "")
+    assert head.id.startswith("call_") and len(fragments) > 1
+    assert all(f.index == 0 and f.id is None and f.function.name is None for f in fragments)
     assert "<tool_call>" not in "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    state = ChatCompletionStreamState()
+    for c in chunks:
+        state.handle_chunk(c)
+    (call,) = state.get_final_completion().choices[0].message.tool_calls
+    assert call.id == head.id and call.function.name == "get_time"
+    assert json.loads(call.function.arguments) == json.loads(whole.function.arguments)
 
 
 def test_response_format_json_schema(client):
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
               "required": ["name", "age"], "additionalProperties": False}
     r = client.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": "Invent a person as JSON."}], max_tokens=40,
+        model=MODEL, messages=[{"role": "user", "content": "Invent a person as JSON."}], max_tokens=40,
         temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
     data = json.loads(r.choices[0].message.content)
     assert set(data) == {"name", "age"} and isinstance(data["age"], int)
@@ -106,14 +118,14 @@ def test_response_format_json_schema(client):
 
 def test_bad_params_are_400_in_openai_format(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=ASK, n=2)
+        client.chat.completions.create(model=MODEL, messages=ASK, n=2)
     assert info.value.body["param"] == "n" and info.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER],
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert "nope" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=ASK, temperature=7)
+        client.chat.completions.create(model=MODEL, messages=ASK, temperature=7)
     assert info.value.body["param"] == "temperature"
 
 
@@ -125,7 +137,7 @@ async def test_concurrent_requests_batch_in_the_engine(gateway):
     before = gateway.stats()["counters"]
     topics = ("rivers", "mountains", "deserts")
     replies = await asyncio.gather(*(aclient.chat.completions.create(
-        model="m", messages=[{"role": "user", "content": f"One sentence about {t}."}], max_tokens=6,
+        model=MODEL, messages=[{"role": "user", "content": f"One sentence about {t}."}], max_tokens=6,
         temperature=0, extra_body={"ignore_eos": True}) for t in topics))
     await aclient.close()
     after = gateway.stats()["counters"]
@@ -137,8 +149,8 @@ async def test_concurrent_requests_batch_in_the_engine(gateway):
 
 def test_seed_makes_sampling_repeatable_and_stop_ends_the_reply(client):
     msgs = [{"role": "user", "content": "Tell me a short fact about owls."}]
-    a, b = (client.chat.completions.create(model="m", messages=msgs, max_tokens=6, temperature=1.0, seed=7)
+    a, b = (client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=1.0, seed=7)
             for _ in range(2))
     assert a.choices[0].message.content == b.choices[0].message.content
-    r = client.chat.completions.create(model="m", messages=msgs, max_tokens=12, temperature=0, stop=[" "])
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=0, stop=[" "])
     assert " " not in r.choices[0].message.content and r.choices[0].finish_reason == "stop"

@@ -54,7 +54,7 @@ def gateway():
 def turn(client: httpx.Client, session: str, agent: str, history: list[dict], stream: bool = False) -> str:
     messages = [{"role": "system", "content": f"You are the {agent}."}, *history]
     headers = {SESSION_HEADER: session, AGENT_HEADER: f"{session}-{agent}"}
-    body = {"model": "any", "messages": messages, "max_tokens": 6, "stream": stream}
+    body = {"model": "smollm2-135m-instruct", "messages": messages, "max_tokens": 6, "stream": stream}
     r = client.post("/v1/chat/completions", json=body, headers=headers)
     assert r.status_code == 200, r.text
     if stream:
@@ -86,7 +86,7 @@ def test_sessions_stick_to_replicas_through_http_and_share_kv_there(gateway):
 def test_a_replica_killed_mid_stream_ends_it_with_a_503_event_its_session_moves_and_it_is_replaced(gateway):
     backend, client = gateway
     dead = backend.replica_of("http-a")
-    body = {"model": "any", "stream": True, "max_tokens": 400,
+    body = {"model": "smollm2-135m-instruct", "stream": True, "max_tokens": 400,
             "messages": [{"role": "system", "content": "You are the coder."}, {"role": "user", "content": TASK}]}
     headers = {SESSION_HEADER: "http-a", AGENT_HEADER: "http-a-long"}
     with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:

@@ -8,13 +8,13 @@ import time
 import httpx
 import pytest
 
-from serve_gateway import API_KEY, MAX_BODY_BYTES, MAX_PROMPT_TOKENS  # type: ignore[import-not-found]
+from serve_gateway import API_KEY, MAX_BODY_BYTES, MAX_PROMPT_TOKENS, MODEL  # type: ignore[import-not-found]
 
 CHAT = "/v1/chat/completions"
 
 
 def hello(**extra) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, **extra}
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, **extra}
 
 
 def request_blocks(stats: dict) -> int:
@@ -62,12 +62,12 @@ def test_prompt_over_the_limit_is_400_context_length_exceeded(gateway):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-    ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m", "messages": [{"role": "user"}]}, "messages"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
-    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}},
+    ({"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user"}]}, "messages"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}},
      "response_format"),
 ])
 def test_malformed_requests_are_400_in_openai_format(gateway, body, param):

@@ -11,12 +11,12 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from serve_gateway import free_port  # type: ignore[import-not-found]  # noqa: E402
+from serve_gateway import MODEL, free_port  # type: ignore[import-not-found]  # noqa: E402
 from kvcmas_agents import Engine, EngineConfig  # noqa: E402
 from kvcmas_agents.serve import LocalBackend, ServeConfig  # noqa: E402
 from kvcmas_agents.serve.app import create_app  # noqa: E402
 
-BODY = {"model": "m", "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 12,
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 12,
         "temperature": 0}
 
 
