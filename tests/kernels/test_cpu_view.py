@@ -10,7 +10,7 @@ import torch
 from kvcmas_agents.kernels import cpu_view
 from kvcmas_agents.model.rope import inv_frequencies
 from kvcmas_agents.reuse.realign import Realigner
-from kvcmas_agents.reuse.storage.lowrank import Format, compress, compress_joint
+from kvcmas_agents.reuse.storage.codec import Format, compress, compress_joint
 from kvcmas_agents.reuse.views import gather
 from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention
 from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention

@@ -18,7 +18,7 @@ from ...kernels import cpu_view
 from ...model.attention import group_queries, grouped_attention, sdpa, ungroup
 from ...model.rope import rotate, rotate_, signed_sin
 from ..realign import Realigner
-from ..storage.lowrank import Basis, Coeffs, KeptCodes
+from ..storage.readers import Basis, Coeffs, KeptCodes
 from .reference import SegmentPiece
 
 

@@ -6,11 +6,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcmas_agents.reuse.storage.lowrank import (Basis, Coeffs, Format, LowRankDelta, apply_to, captured_energy,
-                                                 compose,
-                                                 compress,
-                                          compress_joint, faint_layers, layer_energy, rows_are_smaller, strongest_rows,
-                                          unique_nbytes)
+from kvcmas_agents.reuse.storage.codec import Format, compress, compress_joint, rows_are_smaller
+from kvcmas_agents.reuse.storage.compose import apply_to, compose
+from kvcmas_agents.reuse.storage.delta import LowRankDelta, unique_nbytes
+from kvcmas_agents.reuse.storage.deviation import faint_layers, layer_energy, strongest_rows
+from kvcmas_agents.reuse.storage.readers import Basis, Coeffs
 
 L, KVH, D = 3, 2, 16
 
@@ -54,13 +54,6 @@ def test_truncation_error_is_the_discarded_energy(rank):
         worse = (exact - approx * 1.01).pow(2).sum(dim=(-2, -1))
         if rank:
             assert (worse > err).all()
-    energy = captured_energy(dk, rank, reduce=False)
-    s2 = torch.linalg.svdvals(dk).pow(2)
-    torch.testing.assert_close(energy, s2[..., :rank].sum(-1) / s2.sum(-1))
-    overall = captured_energy(dk, rank)
-    assert overall.dim() == 0
-    torch.testing.assert_close(overall, s2[..., :rank].sum() / s2.sum())
-    assert captured_energy(dk, D).item() == pytest.approx(1.0, abs=1e-6)
 
 
 def test_low_rank_input_is_recovered_at_its_rank():
@@ -68,8 +61,6 @@ def test_low_rank_input_is_recovered_at_its_rank():
     true = torch.randn(L, KVH, 30, 4, generator=g) @ torch.randn(L, KVH, 4, D, generator=g)
     state = compress(true, true.clone(), torch.arange(30), rank=4)
     torch.testing.assert_close(_dense_all(state)[0], true, rtol=0, atol=1e-4)
-    assert captured_energy(true, 4).item() == pytest.approx(1.0, abs=1e-6)
-    assert captured_energy(true, 2).item() < 0.999
 
 
 def test_nbytes_is_exact():
@@ -96,7 +87,6 @@ def test_empty_rows_and_zero_rank():
     assert dk_l.shape == (KVH, 0, D) and dv_l.shape == (KVH, 0, D)
     empty = LowRankDelta.empty(L, KVH, D)
     assert empty.nbytes == 0 and empty.dense(2)[0].shape == (KVH, 0, D)
-    assert torch.equal(captured_energy(dk, 4), torch.tensor(1.0))
     # Rank 0 over real rows corrects nothing.
     dk, dv = _devs(5)
     zero = compress(dk, dv, torch.arange(5), rank=0)

@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.reuse.storage.lowrank import Coeffs, compress, compress_joint
+from kvcmas_agents.reuse.storage.codec import compress, compress_joint
+from kvcmas_agents.reuse.storage.readers import Coeffs
 from kvcmas_agents.reuse.realign import Realigner
 from kvcmas_agents.model.rope import inv_frequencies
 from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention
 from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention, gathered_kv, gathered_mass_attention
-from kvcmas_agents.reuse.storage.lowrank import Format
+from kvcmas_agents.reuse.storage.codec import Format
 
 
 @pytest.mark.parametrize("head_dim, group, kv_heads, rank, tq", [
@@ -291,7 +292,7 @@ def test_a_kept_view_unpacks_each_layers_codes_once_and_reads_the_same(monkeypat
     reported."""
     from dataclasses import replace
 
-    from kvcmas_agents.reuse.storage import lowrank
+    from kvcmas_agents.reuse.storage import readers
 
     head_dim, kv_heads, group, layers = 64, 3, 3, 3
     k_cache, v_cache, realigner, rows, dks = _three_segments(4, head_dim, kv_heads, layers)
@@ -307,8 +308,8 @@ def test_a_kept_view_unpacks_each_layers_codes_once_and_reads_the_same(monkeypat
     once = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
     kept = replace(build_gathered(pieces, realigner, torch.device("cpu"), torch.float32), keep=True)
     unpacks = []
-    real = lowrank.Coeffs.exact_codes
-    monkeypatch.setattr(lowrank.Coeffs, "exact_codes",
+    real = readers.Coeffs.exact_codes
+    monkeypatch.setattr(readers.Coeffs, "exact_codes",
                         staticmethod(lambda us, layer: unpacks.append(layer) or real(us, layer)))
     for step in range(3):                       # three decode steps: the tail grows by one key each
         tail = OwnPiece(torch.arange(250, 251 + step), torch.arange(68, 69 + step))
@@ -328,8 +329,8 @@ def test_a_kept_view_unpacks_each_layers_codes_once_and_reads_the_same(monkeypat
     tail = OwnPiece(torch.arange(250, 262), torch.arange(68, 80))
     q = torch.randn(12, kv_heads * group, head_dim)
     joins: list[str] = []
-    joined = lowrank.Coeffs.joined
-    monkeypatch.setattr(lowrank.Coeffs, "joined", staticmethod(lambda *a, **kw: joins.append("") or joined(*a, **kw)))
+    joined = readers.Coeffs.joined
+    monkeypatch.setattr(readers.Coeffs, "joined", staticmethod(lambda *a, **kw: joins.append("") or joined(*a, **kw)))
     for layer in range(layers):
         a = gathered_attention(q, once.extend(tail.slots), k_cache, v_cache, layer, head_dim ** -0.5)
         unpacked_once, joins[:] = len(joins), []
