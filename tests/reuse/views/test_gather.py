@@ -9,7 +9,8 @@ from kvcmas_agents.reuse.storage.readers import Coeffs
 from kvcmas_agents.reuse.realign import Realigner
 from kvcmas_agents.model.rope import inv_frequencies
 from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention
-from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention, gathered_kv, gathered_mass_attention
+from kvcmas_agents.reuse.views.dense import gathered_kv, gathered_mass_attention
+from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention
 from kvcmas_agents.reuse.storage.codec import Format
 
 
@@ -137,7 +138,7 @@ def test_joint_states_without_layer_zero(tq, u8):
 def test_query_side_realignment_matches_key_rotation(monkeypatch, ndeltas, corrected):
     """Few queries over a view with few distinct deltas rotate the queries, not the keys (with more
     deltas than QUERY_ROTATIONS, the keys): same attention as view_attention either way, naive or not."""
-    import kvcmas_agents.reuse.views.gather as vg
+    import kvcmas_agents.reuse.views.lowrank as vg
     torch.manual_seed(3)
     head_dim, kv_heads, group, layers, n = 64, 3, 3, 2, 12
     k_cache, v_cache = torch.randn(400, kv_heads, head_dim), torch.randn(400, kv_heads, head_dim)
