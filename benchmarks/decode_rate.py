@@ -11,8 +11,8 @@ and GNU OpenMP then sleeps and wakes on every parallel region, which the view's 
 - ``prefix``: its own exact KV (the history prefilled under its own prefix);
 - ``kvcmas``: reading the corrected view, its correction codes unpacked once and kept for the decode
   (the compiled CPU loops of ``kernels.cpu_view`` where they built);
-- ``kvcmas-torch``: the same by torch ops alone (``views.gather.COMPILED`` off);
-- ``kvcmas-unkept``: the same, unpacking the codes in every step (``views.gather.KEEP_CODES`` off);
+- ``kvcmas-torch``: the same by torch ops alone (``views.compiled.COMPILED`` off);
+- ``kvcmas-unkept``: the same, unpacking the codes in every step (``views.layout.KEEP_CODES`` off);
 - ``kvcmas-copy``: the view written into the request's own blocks first (``decode_copy="auto"``).
 
 Prints JSON: per variant, tok/s after the first token (per round and median), its median per-round
@@ -31,7 +31,7 @@ from benchmarks.turn_time import LATER, lead_history, prompt
 from kvcmas_agents import KVCMASConfig
 from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
-from kvcmas_agents.reuse.views import gather
+from kvcmas_agents.reuse.views import compiled, layout
 
 VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-torch": ("kvcmas", {}),
             "kvcmas-unkept": ("kvcmas", {}),
@@ -67,11 +67,11 @@ async def run(rounds: int, tokens: int, variants: dict[str, tuple[str, dict]] = 
         for _ in range(rounds):
             for name, (mode, knobs) in variants.items():
                 engine = await _engine(mode, knobs, threads)
-                gather.KEEP_CODES, gather.COMPILED = name != "kvcmas-unkept", name != "kvcmas-torch"
+                layout.KEEP_CODES, compiled.COMPILED = name != "kvcmas-unkept", name != "kvcmas-torch"
                 try:
                     rate, reused[name], mid = await _decode(engine, tokens)
                 finally:
-                    gather.KEEP_CODES = gather.COMPILED = True
+                    layout.KEEP_CODES = compiled.COMPILED = True
                     await engine.aclose()
                 rates[name].append(rate)
                 kv = mid.get("reuse", {}).get("kvcmas", {})

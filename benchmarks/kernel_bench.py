@@ -40,7 +40,7 @@ class Row:
 
 
 def _case(ctx: int, tq: int, args, device: torch.device, dtype: torch.dtype, gen: torch.Generator):
-    from kvcmas_agents.reuse.storage.lowrank import LowRankDelta
+    from kvcmas_agents.reuse.storage.delta import LowRankDelta
     from kvcmas_agents.reuse.realign import Realigner
     from kvcmas_agents.model.rope import inv_frequencies
     from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece

@@ -14,7 +14,7 @@ wrapping ``reuse.kvcmas.correction``'s ``compress`` and ``compress_joint``). Rep
 - on the factored corrections: how many components a rank allocated over layers and KV heads by
   energy would need to lose as much as rank r everywhere;
 - each layer's share of the deviations' energy (keys and values), and from which layer the engine's
-  ``uncorrected_energy`` rule (``lowrank.faint_layers``) stores each request's corrections.
+  ``uncorrected_energy`` rule (``deviation.faint_layers``) stores each request's corrections.
 Energies are over the storable layers (from ``UNCORRECTED_LAYERS`` on). A dev probe: figures, not speed.
 """
 from __future__ import annotations
@@ -32,15 +32,14 @@ import torch
 from kvcmas_agents.bench.methods import METHODS
 from kvcmas_agents.bench.traces import get_traces
 from kvcmas_agents.engine import Engine
-from kvcmas_agents.reuse.storage.lowrank import (captured_energy, compress, faint_layers, layer_energy,
-                                                 rows_are_smaller,
-                                         unique_nbytes)
 from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
 from kvcmas_agents.fidelity.conversation import run_exact_and_close
 from kvcmas_agents.fidelity.replay import replay
 from kvcmas_agents.fidelity.scenarios import declare_systems
 from kvcmas_agents.reuse.kvcmas import correction
-from kvcmas_agents.reuse.storage.lowrank import Format
+from kvcmas_agents.reuse.storage.codec import Format, compress, rows_are_smaller
+from kvcmas_agents.reuse.storage.delta import unique_nbytes
+from kvcmas_agents.reuse.storage.deviation import faint_layers, layer_energy
 
 ROW_BITS = (8, 6, 4)
 UNCORRECTED = correction.UNCORRECTED_LAYERS
@@ -75,6 +74,20 @@ def capture(engine: Engine) -> Iterator[list[dict[str, Any]]]:
     finally:
         del corrector._recompute
         correction.compress, correction.compress_joint = single, joint
+
+
+def captured_energy(d: torch.Tensor, rank: int, reduce: bool = True) -> torch.Tensor:
+    """Share of squared Frobenius norm that the top ``rank`` singular values of d [..., R, D] hold.
+
+    ``reduce=True`` gives one fp32 scalar over all matrices (energy-weighted); otherwise one value per
+    matrix. A matrix with no energy counts as fully captured.
+    """
+    s2 = torch.linalg.svdvals(d.float()).pow(2)
+    kept, total = s2[..., :rank].sum(-1), s2.sum(-1)
+    if reduce:
+        kept, total = kept.sum(), total.sum()
+    return torch.where(total > 0, kept / total.clamp_min(torch.finfo(torch.float32).tiny),
+                       torch.ones_like(total))
 
 
 def rows_loss(d: torch.Tensor, bits: int, channels: bool) -> float:

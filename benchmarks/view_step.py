@@ -38,7 +38,7 @@ from kvcmas_agents.fidelity.replay import replay
 from kvcmas_agents.fidelity.scenarios import declare_systems
 from kvcmas_agents.kernels import cpu_view
 from kvcmas_agents.model.attention import sdpa
-from kvcmas_agents.reuse.views import gather
+from kvcmas_agents.reuse.views import compiled, gather, lowrank
 
 Captured = dict[int, tuple]          # layer -> (q, view, k_cache, v_cache, scale)
 
@@ -76,7 +76,7 @@ async def capture(preset: str, trace_name: str, tokens: int = 8) -> Captured:
 
 
 def _variants(seen: Captured) -> dict[str, Callable[[], None]]:
-    def over(views: Captured, attend: Callable = gather._lowrank_attention) -> Callable[[], None]:
+    def over(views: Captured, attend: Callable = lowrank._lowrank_attention) -> Callable[[], None]:
         def step() -> None:
             for layer, (q, view, kc, vc, scale) in views.items():
                 attend(q, view, kc, vc, layer, scale)
@@ -87,7 +87,7 @@ def _variants(seen: Captured) -> dict[str, Callable[[], None]]:
             sdpa(q, kc.index_select(0, view.slots), vc.index_select(0, view.slots), scale)
 
     plain = {l: (q, replace(v, stacks=[], cos=v.cos[:0]), *rest) for l, (q, v, *rest) in seen.items()}
-    loops = {"prefix_loops": over(plain, gather._compiled_attention)} if cpu_view.load() is not None else {}
+    loops = {"prefix_loops": over(plain, compiled._compiled_attention)} if cpu_view.load() is not None else {}
     return {"prefix": prefix, **loops, "kvcmas": over(seen, gather.gathered_attention), "kvcmas_torch": over(seen),
             "no_lowrank": over({l: (q, replace(v, stacks=[]), *rest) for l, (q, v, *rest) in seen.items()}),
             "no_rotation": over({l: (q, replace(v, cos=v.cos[:0]), *rest) for l, (q, v, *rest) in seen.items()})}

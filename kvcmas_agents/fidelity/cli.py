@@ -8,7 +8,7 @@ from ..engine import KVCMASConfig, ReuseOptions, StorageSpec
 from ..reuse import names as reuse_modes
 from ..reuse.kvcmas.config import DECODE_COPY
 from ..reuse.options import REFERENCES
-from ..reuse.storage.lowrank import HEAD_BITS
+from ..reuse.storage.codec import HEAD_BITS
 from ..reuse.storage.quant_rows import BITS as ROW_BITS
 from ..reuse.storage.spec import FACTOR_DTYPES, SIDE_BITS
 from .harness import SweepGrid, run_fidelity

@@ -21,7 +21,8 @@ from .recompute import LayerHook, recompute
 from .registry import register
 from .segments import HomeView, context_key
 from .views import build_view
-from .views.gather import GatheredView, build_gathered, gathered_kv
+from .views.dense import gathered_kv
+from .views.gather import GatheredView, build_gathered
 from .views.reference import OwnPiece, SegmentPiece
 
 MAX_FRAME = 16          # tokens of role header and trailer around a decoded reply inside its message

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .segments import Correction, HomeView
-from .storage.lowrank import LowRankDelta
+from .storage.delta import LowRankDelta
 
 
 @dataclass

@@ -16,7 +16,8 @@ import torch
 from ..model.rope import rotate as apply_rope
 
 if TYPE_CHECKING:
-    from .storage.lowrank import Basis, LowRankDelta
+    from .storage.delta import LowRankDelta
+    from .storage.readers import Basis
 
 # Scalings whose frequencies do not depend on the sequence length, so a rotation by delta is exact.
 REALIGNABLE_SCALINGS = ("default", "linear", "llama3", "yarn")

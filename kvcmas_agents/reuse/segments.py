@@ -16,7 +16,7 @@ import torch
 
 from ..cache.home_pack import HomePacker
 from ..cache.kv_store import KVStore
-from .storage.lowrank import LowRankDelta, unique_nbytes
+from .storage.delta import LowRankDelta, unique_nbytes
 
 
 DECODE_KEY = 4          # tokens indexing decoded replies for the search inside segments

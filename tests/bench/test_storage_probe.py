@@ -3,9 +3,30 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
-from benchmarks.storage_probe import allocation, analyse, layer_shares, main, projection_loss, rows_loss, svd_basis
+from benchmarks.storage_probe import (allocation, analyse, captured_energy, layer_shares, main, projection_loss,
+                                     rows_loss, svd_basis)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 4, 8])
+def test_captured_energy_is_the_kept_singular_values_share(rank):
+    d = torch.randn(3, 2, 24, 16, generator=torch.Generator().manual_seed(rank))
+    s2 = torch.linalg.svdvals(d).pow(2)
+    torch.testing.assert_close(captured_energy(d, rank, reduce=False), s2[..., :rank].sum(-1) / s2.sum(-1))
+    overall = captured_energy(d, rank)
+    assert overall.dim() == 0
+    torch.testing.assert_close(overall, s2[..., :rank].sum() / s2.sum())
+    assert captured_energy(d, 16).item() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_captured_energy_of_a_low_rank_or_empty_input():
+    g = torch.Generator().manual_seed(3)
+    true = torch.randn(3, 2, 30, 4, generator=g) @ torch.randn(3, 2, 4, 16, generator=g)
+    assert captured_energy(true, 4).item() == pytest.approx(1.0, abs=1e-6)
+    assert captured_energy(true, 2).item() < 0.999
+    assert torch.equal(captured_energy(torch.zeros(3, 2, 0, 16), 4), torch.tensor(1.0))
 
 
 def test_rows_lose_more_with_fewer_bits_and_channel_scales_help_keys():

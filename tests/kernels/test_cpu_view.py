@@ -10,8 +10,8 @@ import torch
 from kvcmas_agents.kernels import cpu_view
 from kvcmas_agents.model.rope import inv_frequencies
 from kvcmas_agents.reuse.realign import Realigner
-from kvcmas_agents.reuse.storage.lowrank import Format, compress, compress_joint
-from kvcmas_agents.reuse.views import gather
+from kvcmas_agents.reuse.storage.codec import Format, compress, compress_joint
+from kvcmas_agents.reuse.views import compiled, gather, lowrank
 from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention
 from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention
 
@@ -60,11 +60,11 @@ def test_compiled_loops_match_the_torch_path_and_the_reference(monkeypatch, kind
     monkeypatch.setattr(gather, "_compiled_attention", lambda *a: served.append(1) or real(*a))
     monkeypatch.setattr(cpu_view, "view_attention", lambda *a: whole.append(1) or real_whole(*a))
     if not one_call:
-        monkeypatch.setattr(gather, "_compiled_table", lambda *a: None)
+        monkeypatch.setattr(compiled, "_compiled_table", lambda *a: None)
     for layer in range(layers):
         q = torch.randn(queries, kv_heads * group, head_dim)
         out = gathered_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
-        torch_path = gather._lowrank_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
+        torch_path = lowrank._lowrank_attention(q, view, k_cache, v_cache, layer, head_dim ** -0.5)
         ref = view_attention(q, torch.arange(n, n + queries), pieces + [tail], k_cache, v_cache, layer,
                              head_dim ** -0.5, realigner)
         assert torch.allclose(out, torch_path, atol=2e-6), (out - torch_path).abs().max()

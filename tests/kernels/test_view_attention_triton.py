@@ -10,13 +10,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvcmas_agents.reuse.storage.lowrank import compress  # noqa: E402
+from kvcmas_agents.reuse.storage.codec import compress  # noqa: E402
 from kvcmas_agents.reuse.realign import Realigner  # noqa: E402
 from kvcmas_agents.model.rope import inv_frequencies  # noqa: E402
 from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention  # noqa: E402
 from kvcmas_agents.reuse.views.pack import pack_view, packed_attention  # noqa: E402
 from kvcmas_agents.kernels.view_attention import view_attention_fwd  # noqa: E402
-from kvcmas_agents.reuse.storage.lowrank import Format
+from kvcmas_agents.reuse.storage.codec import Format
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYERS = 2

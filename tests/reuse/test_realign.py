@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from kvcmas_agents.model.loader import load_model
-from kvcmas_agents.reuse.storage.lowrank import compress
+from kvcmas_agents.reuse.storage.codec import compress
 from kvcmas_agents.model.llama import LlamaModel
 from kvcmas_agents.reuse.realign import Realigner, refuses
 from kvcmas_agents.model.rope import RotaryEmbedding, inv_frequencies, rotate
-from kvcmas_agents.reuse.storage.lowrank import Format
+from kvcmas_agents.reuse.storage.codec import Format
 
 CPU = torch.device("cpu")
 HEAD_DIM = 64

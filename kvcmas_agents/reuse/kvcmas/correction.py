@@ -19,7 +19,9 @@ from ..base import ReuseRequest
 from ..cross_agent import CrossAgentMethod
 from ..pieces import ReusePiece
 from ..segments import Correction
-from ..storage.lowrank import Format, LowRankDelta, compress, compress_joint, faint_layers, strongest_rows
+from ..storage.codec import Format, compress, compress_joint
+from ..storage.delta import LowRankDelta
+from ..storage.deviation import faint_layers, strongest_rows
 from ..storage.spec import StorageSpec
 from .select import select_rows
 

@@ -12,7 +12,8 @@ import torch
 from ..base import ReuseRequest
 from ..cross_agent import CrossAgentMethod, MAX_FRAME
 from ..pieces import ReusePiece
-from ..views.gather import build_gathered, gathered_mass_attention
+from ..views.dense import gathered_mass_attention
+from ..views.gather import build_gathered
 from ..views.reference import SegmentPiece
 
 

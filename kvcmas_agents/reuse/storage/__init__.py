@@ -1,5 +1,6 @@
 """Correction storage: low-rank factors, quantized rows and their packed codes, and ``StorageSpec``."""
-from .lowrank import Format, LowRankDelta, compress, compress_joint
+from .codec import Format, compress, compress_joint
+from .delta import LowRankDelta
 from .spec import StorageSpec
 
 __all__ = ["Format", "LowRankDelta", "StorageSpec", "compress", "compress_joint"]

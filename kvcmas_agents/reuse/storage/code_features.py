@@ -1,6 +1,6 @@
 """Packed U codes read as linear features, so a product with U needs no unpacking.
 
-A plain U factor's codes (``lowrank._plain``: leading components as 6-bit codes, four in three bytes,
+A plain U factor's codes (``readers._plain``: leading components as 6-bit codes, four in three bytes,
 or as int8; trailing ones as 4-bit codes, two to a byte) are each an affine function of their bytes
 and of those bytes' high bits: a 6-bit code is ``byte - 64 * (byte >> 6) - 32``, the fourth code of a
 6-bit triple ``sum_q (byte_q >> 6) * 4**q - 32``, a low nibble ``byte - 16 * (byte >> 4) - 8``, a high

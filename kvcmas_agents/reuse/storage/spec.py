@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .lowrank import HEAD_BITS, Format
+from .codec import HEAD_BITS, Format
 from .quant_rows import BITS as ROW_BITS
 
 FACTOR_DTYPES: tuple[str, ...] = ("int8_basis", "int8", "bfloat16", "float16", "float32", "kv")
@@ -77,7 +77,7 @@ class StorageSpec:
         return self.basis == "request"
 
     def format(self) -> Format:
-        """The codec switches of ``lowrank.compress`` for this storage."""
+        """The codec switches of ``codec.compress`` for this storage."""
         dtype = None if self.dtype == "kv" else getattr(torch, self.dtype.removesuffix("_basis"))
         return Format(dtype, int8_basis=self.dtype == "int8_basis", value_bits=self.value_bits,
                       key_bits=self.key_bits, small_rows=self.small_rows, u8=self.u8_components,

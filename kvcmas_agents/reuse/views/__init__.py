@@ -1,7 +1,8 @@
 """Attention over corrected views without materializing them, by three paths that agree (tested):
 
 - ``reference``: ``view_attention`` over a list of pieces, one piece at a time (the torch oracle);
-- ``gather``: realigns and corrects keys while gathering them, as paged SDPA gathers anyway (CPU);
+- ``gather``: realigns and corrects keys while gathering them, as paged SDPA gathers anyway (CPU), over
+  a view's ``layout`` by the ``dense``, ``lowrank`` or ``compiled`` path;
 - ``pack``: the flat descriptor the Triton kernel reads (CUDA).
 
 A request's view is built once per step by its reuse method (``build_view``); attention then calls

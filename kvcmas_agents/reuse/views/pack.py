@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..realign import Realigner
-from ..storage.lowrank import LowRankDelta
+from ..storage.delta import LowRankDelta
 from .reference import OwnPiece, SegmentPiece, view_attention
 
 if TYPE_CHECKING:

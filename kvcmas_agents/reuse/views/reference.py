@@ -14,7 +14,7 @@ from typing import Literal, Union, overload
 import torch
 
 from ..realign import Realigner
-from ..storage.lowrank import LowRankDelta
+from ..storage.delta import LowRankDelta
 
 
 @dataclass

@@ -9,7 +9,7 @@ import torch
 from kvcmas_agents import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.engine import ReuseOptions
 from kvcmas_agents.reuse.kvcmas.correction import UNCORRECTED_LAYERS
-from kvcmas_agents.reuse.storage.lowrank import unique_nbytes
+from kvcmas_agents.reuse.storage.delta import unique_nbytes
 from kvcmas_agents.fidelity import CSV_SYSTEM as SYSTEM
 from kvcmas_agents.fidelity import CSV_TASK as TASK
 from kvcmas_agents.fidelity import kl

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from kvcmas_agents.reuse.storage.code_features import code_map, features
-from kvcmas_agents.reuse.storage.lowrank import Coeffs, _plain, compress, compress_joint
+from kvcmas_agents.reuse.storage.codec import compress, compress_joint
+from kvcmas_agents.reuse.storage.readers import Coeffs, _plain
 from kvcmas_agents.reuse.storage.quant_rows import pack_nibbles, pack_sixes
-from kvcmas_agents.reuse.storage.lowrank import Format
+from kvcmas_agents.reuse.storage.codec import Format
 
 
 @pytest.mark.parametrize("lead, tail, head", [(28, 12, 6), (12, 0, 6), (8, 4, 8), (40, 8, 0), (4, 2, 8)])

@@ -4,12 +4,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcmas_agents.reuse.storage.lowrank import Coeffs, compress, compress_joint
+from kvcmas_agents.reuse.storage.codec import compress, compress_joint
+from kvcmas_agents.reuse.storage.readers import Coeffs
 from kvcmas_agents.reuse.realign import Realigner
 from kvcmas_agents.model.rope import inv_frequencies
 from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention
-from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention, gathered_kv, gathered_mass_attention
-from kvcmas_agents.reuse.storage.lowrank import Format
+from kvcmas_agents.reuse.views.dense import gathered_kv, gathered_mass_attention
+from kvcmas_agents.reuse.views.gather import build_gathered, gathered_attention
+from kvcmas_agents.reuse.storage.codec import Format
 
 
 @pytest.mark.parametrize("head_dim, group, kv_heads, rank, tq", [
@@ -136,7 +138,7 @@ def test_joint_states_without_layer_zero(tq, u8):
 def test_query_side_realignment_matches_key_rotation(monkeypatch, ndeltas, corrected):
     """Few queries over a view with few distinct deltas rotate the queries, not the keys (with more
     deltas than QUERY_ROTATIONS, the keys): same attention as view_attention either way, naive or not."""
-    import kvcmas_agents.reuse.views.gather as vg
+    import kvcmas_agents.reuse.views.lowrank as vg
     torch.manual_seed(3)
     head_dim, kv_heads, group, layers, n = 64, 3, 3, 2, 12
     k_cache, v_cache = torch.randn(400, kv_heads, head_dim), torch.randn(400, kv_heads, head_dim)
@@ -291,7 +293,7 @@ def test_a_kept_view_unpacks_each_layers_codes_once_and_reads_the_same(monkeypat
     reported."""
     from dataclasses import replace
 
-    from kvcmas_agents.reuse.storage import lowrank
+    from kvcmas_agents.reuse.storage import readers
 
     head_dim, kv_heads, group, layers = 64, 3, 3, 3
     k_cache, v_cache, realigner, rows, dks = _three_segments(4, head_dim, kv_heads, layers)
@@ -307,8 +309,8 @@ def test_a_kept_view_unpacks_each_layers_codes_once_and_reads_the_same(monkeypat
     once = build_gathered(pieces, realigner, torch.device("cpu"), torch.float32)
     kept = replace(build_gathered(pieces, realigner, torch.device("cpu"), torch.float32), keep=True)
     unpacks = []
-    real = lowrank.Coeffs.exact_codes
-    monkeypatch.setattr(lowrank.Coeffs, "exact_codes",
+    real = readers.Coeffs.exact_codes
+    monkeypatch.setattr(readers.Coeffs, "exact_codes",
                         staticmethod(lambda us, layer: unpacks.append(layer) or real(us, layer)))
     for step in range(3):                       # three decode steps: the tail grows by one key each
         tail = OwnPiece(torch.arange(250, 251 + step), torch.arange(68, 69 + step))
@@ -328,8 +330,8 @@ def test_a_kept_view_unpacks_each_layers_codes_once_and_reads_the_same(monkeypat
     tail = OwnPiece(torch.arange(250, 262), torch.arange(68, 80))
     q = torch.randn(12, kv_heads * group, head_dim)
     joins: list[str] = []
-    joined = lowrank.Coeffs.joined
-    monkeypatch.setattr(lowrank.Coeffs, "joined", staticmethod(lambda *a, **kw: joins.append("") or joined(*a, **kw)))
+    joined = readers.Coeffs.joined
+    monkeypatch.setattr(readers.Coeffs, "joined", staticmethod(lambda *a, **kw: joins.append("") or joined(*a, **kw)))
     for layer in range(layers):
         a = gathered_attention(q, once.extend(tail.slots), k_cache, v_cache, layer, head_dim ** -0.5)
         unpacked_once, joins[:] = len(joins), []

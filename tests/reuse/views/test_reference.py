@@ -8,12 +8,14 @@ import torch.nn.functional as F
 from kvcmas_agents.model.attention import sdpa
 from kvcmas_agents.cache.kv_store import KVStore
 from kvcmas_agents.model.loader import load_model
-from kvcmas_agents.reuse.storage.lowrank import LowRankDelta, apply_to, compress
+from kvcmas_agents.reuse.storage.codec import compress
+from kvcmas_agents.reuse.storage.compose import apply_to
+from kvcmas_agents.reuse.storage.delta import LowRankDelta
 from kvcmas_agents.model.llama import LlamaModel
 from kvcmas_agents.reuse.realign import Realigner
 from kvcmas_agents.model.rope import inv_frequencies
 from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_attention
-from kvcmas_agents.reuse.storage.lowrank import Format
+from kvcmas_agents.reuse.storage.codec import Format
 
 CPU = torch.device("cpu")
 LAYERS = 2
