@@ -20,6 +20,7 @@ from ..errors import EngineClosedError, EngineError
 from ..model.sampling import Sampler
 from ..reuse.base import ReuseMethod
 from .handoffs import HandOffs
+from .jump import jump_forward
 from .outputs import RequestOutput, StreamDelta, Usage
 from .request import Request
 from .runner import ModelRunner
@@ -242,7 +243,10 @@ class Worker:
             return self.retire(req, "stop", text)
         if len(req.output_ids) >= req.max_new_tokens:
             return self.retire(req, "length", text)
-        self.emit(req, StreamDelta(text=text, token_ids=[tok]))
+        jump = jump_forward(req, self.tok_lock)       # tokens the grammar forces next, appended unsampled
+        if jump.finish_reason is not None:
+            return self.retire(req, jump.finish_reason, text + jump.text)
+        self.emit(req, StreamDelta(text=text + jump.text, token_ids=[tok, *jump.token_ids]))
 
     # --- the end of a request ------------------------------------------------------------------
     def emit(self, req: Request, event: Any) -> None:
