@@ -288,7 +288,8 @@ class Worker:
 
     def _output(self, req: Request) -> RequestOutput:
         text = req.detok.text
-        parsed = parse_tool_calls(text, req.tool_names) if req.tool_names else None
+        cut = req.finish_reason == "length"         # a cut call stays in the content
+        parsed = parse_tool_calls(text, req.tool_names, cut) if req.tool_names else None
         reason = req.finish_reason
         if parsed is not None and parsed.tool_calls:
             reason = "tool_calls"

@@ -301,13 +301,18 @@ def _langgraph_agent(run_manager: Any) -> str | None:
 async def _chunks(engine: Engine, request: dict[str, Any]) -> AsyncIterator[ChatGenerationChunk]:
     """Engine deltas as LangChain chunks; tool-call blocks are held back for the final chunk."""
     hide = ToolBlockFilter() if request["tools"] else None
+    shown = ""
     async for delta in engine.stream(**request):
         text = hide.push(delta.text) if hide else delta.text
         if delta.output is not None:
             text += hide.flush() if hide else ""
+            content = delta.output.content        # a call cut by max_tokens is content, as in invoke()
+            if hide and content.startswith(shown + text):
+                text = content[len(shown):]
             yield ChatGenerationChunk(message=conv.final_chunk(text, delta.output, engine.model_name),
                                       generation_info={"finish_reason": delta.output.finish_reason})
         elif text:
+            shown += text
             yield ChatGenerationChunk(message=AIMessageChunk(content=text))
 
 

@@ -73,6 +73,14 @@ async def test_a_forced_call_jumps_over_what_the_grammar_fixes(engine_none):
     assert out.usage.completion_tokens == 31 and steps <= 10, steps     # 32 steps, one per token, before
 
 
+async def test_a_forced_call_cut_by_max_tokens_keeps_its_partial_text(engine_none):
+    out = await engine_none.generate([{"role": "user", "content": "What is 3 + 4?"}],
+                                     sampling=SamplingParams(max_tokens=20), tools=TOOLS, tool_choice="add")
+    assert out.finish_reason == "length" and not out.tool_calls
+    assert out.content == out.text and out.content.startswith('<tool_call>{"name": "add", "arguments": {')
+    assert "cut off by max_tokens" in out.invalid_tool_calls[0].error
+
+
 async def test_a_forced_call_of_a_tool_without_parameters(engine_none):
     tools = [{"type": "function", "function": {"name": "ping", "description": "Ping the server"}}]
     out = await engine_none.generate(HI, sampling=SamplingParams(max_tokens=32), tools=tools, tool_choice="ping")

@@ -313,6 +313,14 @@ async def test_stream_of_a_cut_off_tool_call_adds_up_to_the_create_result(engine
     assert "".join(chunks) == result.content
 
 
+async def test_a_forced_call_cut_by_max_tokens_is_text(engine):
+    client = KVCMASClient(engine=engine, max_tokens=22)     # stops inside the arguments
+    messages = [UserMessage(content="Weather in London?", source="user")]
+    created = await client.create(messages, tools=[WEATHER], tool_choice="required")
+    assert created.finish_reason == "length"
+    assert created.content.startswith('<tool_call>{"name": "get_weather", "arguments": {'), created
+
+
 class City(BaseModel):
     name: str
     country: str
