@@ -16,7 +16,8 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field, model_validator
 
 from ..chat.template import with_system_text
-from ..engine import Engine, ReuseOptions, SamplingParams
+from ..engine import Engine, ReuseOptions, SamplingParams, ToolDecision
+from ..engine.tool_decision import DEFAULT_THRESHOLD
 from ..model.loader import DEFAULT_MODEL
 from ..registry import ADAPTER_REUSE, get_engine
 from . import _lc_messages as conv
@@ -78,6 +79,10 @@ class ChatKVCMAS(BaseChatModel):
     """KVCMAS: SVD rank of each stored correction (None: the engine's)."""
     reference: str | None = None
     """KVCMAS: reference view, "home" or "chain" (None: the engine's)."""
+    tool_call_threshold: float | None = DEFAULT_THRESHOLD
+    """With bound tools and tool_choice "auto": the log probability of the reply opening with a tool
+    call above which it is a (grammar-constrained) call, scored by a decision step first
+    (docs/tool_calls.md). None leaves the choice to free decoding, where the default model never calls."""
     engine: Engine | None = Field(default=None, exclude=True, repr=False)
     """An explicit engine; overrides the shared registry engine."""
 
@@ -128,7 +133,8 @@ class ChatKVCMAS(BaseChatModel):
         return {"model": self.model or DEFAULT_MODEL, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
                 "stop": self.stop, "agent": self.agent, "reuse": self.reuse,
-                "recompute_ratio": self.recompute_ratio, "rank": self.rank, "reference": self.reference}
+                "recompute_ratio": self.recompute_ratio, "rank": self.rank, "reference": self.reference,
+                "tool_call_threshold": self.tool_call_threshold}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider=conv.PROVIDER, ls_model_name=kwargs.get("model") or self.model
@@ -210,8 +216,10 @@ class ChatKVCMAS(BaseChatModel):
         if kwargs:
             raise TypeError(f"ChatKVCMAS got unexpected call arguments: {sorted(kwargs)}")
         engine_messages = with_system_text(conv.to_engine_messages(messages), instruction)
+        decision = None if self.tool_call_threshold is None else ToolDecision(self.tool_call_threshold)
         return engine, {"messages": engine_messages, "agent": agent, "sampling": sampling,
-                        "tools": tools, "tool_choice": tool_choice, "reuse_options": reuse_options}
+                        "tools": tools, "tool_choice": tool_choice, "reuse_options": reuse_options,
+                        "tool_decision": decision}
 
     def _reuse_options(self, overrides: dict[str, Any]) -> ReuseOptions:
         """Per-request reuse knobs: call overrides, then fields; None leaves the engine's setting."""
