@@ -43,7 +43,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sinks import LoopSink, ThreadSink
 from .stats import Counters
-from .tool_decision import ToolDecision
+from .tool_decision import TEXT_ANSWER, ToolDecision
 from .worker import ABORT, ADD, CLOSE, Worker
 
 
@@ -161,12 +161,15 @@ class Engine:
 
         Cancelling the consumer (or leaving the loop early) aborts the request and frees its KV.
         """
-        if tool_decision is not None and tool_decision.applies(messages, tools, tool_choice):
-            scored = await self.generate(messages, agent, tool_decision.scoring(self.call_open_ids), tools, "auto",
-                                         None, reuse_options)
-            tool_choice = tool_decision.choice(tool_decision.score(scored, self.call_open_ids))
+        call = None
+        if tool_decision is not None and tool_decision.applies(tools, tool_choice):
+            call = tool_decision.scores(messages) and tool_decision.calls(tool_decision.score(await self.generate(
+                messages, agent, tool_decision.scoring(self.call_open_ids), tools, "auto", None, reuse_options),
+                self.call_open_ids))
         sink = LoopSink(asyncio.get_running_loop())
-        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink, reuse_options)
+        req = self._make_request(messages, agent, sampling, tools, "required" if call else tool_choice, request_id,
+                                 sink, reuse_options)
+        self._decided(req, call)
         self._submit(req)
         done = False
         try:
@@ -195,12 +198,15 @@ class Engine:
         """
         if timeout is not None and not (_is_number(timeout) and timeout > 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-        if tool_decision is not None and tool_decision.applies(messages, tools, tool_choice):
-            scored = self.generate_sync(messages, agent, tool_decision.scoring(self.call_open_ids), tools, "auto",
-                                        None, reuse_options, timeout)
-            tool_choice = tool_decision.choice(tool_decision.score(scored, self.call_open_ids))
+        call = None
+        if tool_decision is not None and tool_decision.applies(tools, tool_choice):
+            call = tool_decision.scores(messages) and tool_decision.calls(tool_decision.score(self.generate_sync(
+                messages, agent, tool_decision.scoring(self.call_open_ids), tools, "auto", None, reuse_options,
+                timeout), self.call_open_ids))
         sink = ThreadSink()
-        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink, reuse_options)
+        req = self._make_request(messages, agent, sampling, tools, "required" if call else tool_choice, request_id,
+                                 sink, reuse_options)
+        self._decided(req, call)
         deadline = None if timeout is None else time.monotonic() + timeout
         self._submit(req)
         try:
@@ -396,6 +402,12 @@ class Engine:
                 f"request needs {need} KV blocks ({len(prompt.token_ids)} prompt + {max_new} new tokens) but "
                 f"kv_budget_bytes={self.config.kv_budget_bytes} holds only {self.store.num_blocks}")
         return req
+
+    def _decided(self, req: Request, call: bool | None) -> None:
+        """A reply the decision step made a text answer may not open a call (``TEXT_ANSWER``)."""
+        sampling = req.sampling
+        if call is False and req.grammar is None and not sampling.ignore_eos and sampling.forced_tokens is None:
+            req.grammar = self.grammars.state(TEXT_ANSWER)
 
     def _submit(self, req: Request) -> None:
         if self._closed:

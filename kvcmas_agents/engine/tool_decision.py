@@ -6,7 +6,7 @@ tag's five tokens, teacher-forced) separates the two: measured on 36 requests, e
 was meant for scored above -9.5 without a system prompt, most plain questions below -10
 (docs/tool_calls.md). The decision step scores that opening in a short request of its own; above
 ``threshold`` the reply becomes a grammar-constrained call of one of the tools
-(``tool_choice="required"``), else it is decoded as before.
+(``tool_choice="required"``), else a text answer (constrained only not to open with ``<``).
 """
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ from typing import Any, Sequence
 import torch
 
 from ..errors import InvalidRequestError
+from ..model.grammar import GrammarSpec
 from .config import SamplingParams
 from .outputs import RequestOutput
 
 DEFAULT_THRESHOLD = -10.0
+# An answer the step chose may not open with a tag: after a tool result the model would repeat its call.
+TEXT_ANSWER = GrammarSpec.pattern(r"[^<][\s\S]*")
 
 
 @dataclass
@@ -40,11 +43,13 @@ class ToolDecision:
                 or not math.isfinite(self.threshold):
             raise InvalidRequestError(f"ToolDecision.threshold must be a finite number, got {self.threshold!r}")
 
-    def applies(self, messages: Any, tools: Any, tool_choice: Any) -> bool:
-        """True for a request the step decides: tools, ``tool_choice`` auto (or unset), and a last
-        message that is not a tool result (unless ``after_tool_result``)."""
-        if not tools or tool_choice not in (None, "auto"):
-            return False
+    @staticmethod
+    def applies(tools: Any, tool_choice: Any) -> bool:
+        """True for a request the step decides: tools, and ``tool_choice`` auto (or unset)."""
+        return bool(tools) and tool_choice in (None, "auto")
+
+    def scores(self, messages: Any) -> bool:
+        """Whether to score the call (else answer): not after a tool result, unless ``after_tool_result``."""
         last = messages[-1] if isinstance(messages, (list, tuple)) and messages else None
         return self.after_tool_result or not (isinstance(last, dict) and last.get("role") == "tool")
 
@@ -61,6 +66,6 @@ class ToolDecision:
             return -math.inf
         return float(sum(torch.log_softmax(step.float(), -1)[tok] for step, tok in zip(logits, open_ids)))
 
-    def choice(self, score: float) -> str:
-        """The main request's ``tool_choice``: "required" (a constrained call) or "auto" (free)."""
-        return "required" if score > self.threshold else "auto"
+    def calls(self, score: float) -> bool:
+        """True: the reply is a constrained call (``tool_choice="required"``); else a text answer."""
+        return score > self.threshold

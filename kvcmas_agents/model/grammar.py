@@ -23,7 +23,8 @@ _CACHE_SIZE = 256
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """Output that is ``prefix``, then one JSON value valid against ``schema``, then ``suffix``.
+    """Output that is ``prefix``, then one JSON value valid against ``schema`` (or text matching
+    ``regex``), then ``suffix``.
 
     ``schema`` is compact JSON text (``GrammarSpec.of`` builds it), the cache key. Key order is kept:
     it is the order in which the properties are generated.
@@ -32,6 +33,11 @@ class GrammarSpec:
     schema: str
     prefix: str = ""
     suffix: str = ""
+    regex: str = ""          # when set, the output is this regular expression instead of JSON
+
+    @classmethod
+    def pattern(cls, regex: str) -> "GrammarSpec":
+        return cls("", regex=regex)
 
     @classmethod
     def of(cls, schema: Any, prefix: str = "", suffix: str = "") -> "GrammarSpec":
@@ -125,7 +131,8 @@ class Grammars:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         try:
             # Compact JSON (no free whitespace): a small model cannot then stall in endless blanks.
-            body = xgr.Grammar.from_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
+            body = (xgr.Grammar.from_regex(spec.regex) if spec.regex else
+                    xgr.Grammar.from_json_schema(spec.schema, any_whitespace=False, strict_mode=True))
             parts = [_literal(xgr, spec.prefix), body, _literal(xgr, spec.suffix)]
             grammar = xgr.Grammar.concat(*[p for p in parts if p is not None])
             return self._compiler.compile_grammar(grammar)

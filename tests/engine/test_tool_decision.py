@@ -55,18 +55,19 @@ def test_after_a_tool_result_the_reply_is_text(engine_prefix):
         "name": "get_weather", "arguments": {"location": "San Francisco, CA"}}}]},
         {"role": "tool", "content": "It's sunny.", "tool_call_id": "c1"}]
     decision = ToolDecision()
-    assert not decision.applies(history, [WEATHER], "auto")
-    assert ToolDecision(after_tool_result=True).applies(history, [WEATHER], "auto")
+    assert not decision.scores(history) and ToolDecision(after_tool_result=True).scores(history)
+    before = requests(engine_prefix)
     out = engine_prefix.generate_sync(history, sampling=SAMPLING, tools=[WEATHER], tool_decision=decision)
-    assert out.finish_reason in ("stop", "length") and not out.tool_calls
+    assert out.finish_reason in ("stop", "length") and not out.tool_calls and out.content
+    assert requests(engine_prefix) == before + 1                 # answered without scoring
 
 
 def test_what_the_step_decides():
     decision = ToolDecision()
-    assert decision.applies(SF, [WEATHER], None) and decision.applies(SF, [WEATHER], "auto")
-    assert not decision.applies(SF, [WEATHER], "required") and not decision.applies(SF, [WEATHER], "get_weather")
-    assert not decision.applies(SF, [], "auto") and not decision.applies(SF, None, None)
-    assert (decision.choice(-3.0), decision.choice(-12.0)) == ("required", "auto")
+    assert decision.applies([WEATHER], None) and decision.applies([WEATHER], "auto") and decision.scores(SF)
+    assert not decision.applies([WEATHER], "required") and not decision.applies([WEATHER], "get_weather")
+    assert not decision.applies([], "auto") and not decision.applies(None, None)
+    assert (decision.calls(-3.0), decision.calls(-12.0)) == (True, False)
     for bad in (float("nan"), "high", True):
         with pytest.raises(InvalidRequestError, match="threshold"):
             ToolDecision(bad)

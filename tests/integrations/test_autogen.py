@@ -495,6 +495,21 @@ async def test_tool_agent_in_team_run_stream(engine):
     assert "forecaster" in engine.stats()["agents"]
 
 
+async def test_assistant_agent_calls_its_tool_with_tool_choice_left_auto(engine):
+    """The decision step (the client's default) makes the agent call its tool; without it, it answers."""
+    task = "What is the weather in Paris?"
+    agent = AssistantAgent("weather", model_client=KVCMASClient(engine=engine, max_tokens=48), tools=[WEATHER])
+    result = await agent.run(task=task)
+    calls = [c for m in result.messages if isinstance(m, ToolCallRequestEvent) for c in m.content]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    done = [r for m in result.messages if isinstance(m, ToolCallExecutionEvent) for r in m.content]
+    assert [(r.content, r.is_error) for r in done] == [("Sunny in Paris", False)]
+    free = AssistantAgent("weather_free", model_client=KVCMASClient(engine=engine, max_tokens=48,
+                                                                    tool_call_threshold=None), tools=[WEATHER])
+    free_result = await free.run(task=task)
+    assert not any(isinstance(m, ToolCallRequestEvent) for m in free_result.messages)
+
+
 # --- cancellation -------------------------------------------------------------------------------
 async def test_cancelled_team_run_leaves_engine_serving(engine):
     client = KVCMASClient(engine=engine, max_tokens=200, temperature=0.8, seed=1)
