@@ -1,7 +1,8 @@
 """kvcmas-agents: one embedded LLM engine for multi-agent LangGraph and AutoGen workflows."""
 from .engine import (
     ConfigError, ContextLengthError, Engine, EngineClosedError, EngineConfig, EngineError, InvalidRequestError, KVCMASConfig,
-    ModelNotFoundError, RequestOutput, RequestTimeoutError, ReuseOptions, SamplingParams, StorageSpec, StreamDelta, Usage,
+    ModelNotFoundError, RequestOutput, RequestTimeoutError, ReuseOptions, SamplingParams, StorageSpec, StreamDelta,
+    ToolDecision, Usage,
 )
 
 __version__ = "0.1.0"
@@ -10,7 +11,7 @@ __version__ = "0.1.0"
 _LAZY_INTEGRATIONS = ("KVCMASClient", "register_team", "ChatKVCMAS", "register_graph")
 __all__ = [
     "Engine", "EngineConfig", "KVCMASConfig", "StorageSpec", "ReuseOptions", "SamplingParams", "RequestOutput",
-    "StreamDelta", "Usage",
+    "StreamDelta", "Usage", "ToolDecision",
     "InvalidRequestError", "ContextLengthError", "EngineError", "EngineClosedError", "ModelNotFoundError",
     "ConfigError", "RequestTimeoutError", *_LAZY_INTEGRATIONS,
 ]

@@ -171,18 +171,26 @@ def format_tool_call(name: str, arguments: Mapping[str, Any] | str | None) -> st
     return TOOL_CALL_OPEN + json.dumps(payload, ensure_ascii=False) + TOOL_CALL_CLOSE
 
 
-def parse_tool_calls(text: str, tool_names: set[str] | None = None) -> ParsedOutput:
+def parse_tool_calls(text: str, tool_names: set[str] | None = None, cut: bool = False) -> ParsedOutput:
     """Split model output into content and tool calls; never raises.
 
     Recognises <tool_call> blocks (the last one may be unterminated) and, when
     `tool_names` is given, a reply that is only a JSON call object (optionally
-    in a ``` fence) naming a known tool.
+    in a ``` fence) naming a known tool. ``cut``: the reply was cut by max_tokens;
+    an unterminated last block that is no call then stays in the content, as written
+    (its partial arguments), and its InvalidToolCall says it was cut.
     """
     blocks, content = _split_blocks(text)
     result = ParsedOutput(content=content)
     if blocks:
         for body in blocks:
+            calls, invalid = len(result.tool_calls), len(result.invalid_tool_calls)
             _parse_block(body, tool_names, result)
+        tail = text.rfind(TOOL_CALL_OPEN)
+        if cut and text.find(TOOL_CALL_CLOSE, tail) < 0 and len(result.tool_calls) == calls:
+            result.content += text[tail:]
+            for bad in result.invalid_tool_calls[invalid:]:
+                bad.error = f"cut off by max_tokens before the call was complete ({bad.error})"
         return result
     if tool_names:
         whole = _bare_json_calls(text, tool_names)

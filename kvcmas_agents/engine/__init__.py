@@ -5,9 +5,10 @@ from ..errors import (ConfigError, ContextLengthError, EngineClosedError, Engine
 from .config import EngineConfig, KVCMASConfig, ReuseOptions, SamplingParams, StorageSpec
 from .engine import Engine
 from .outputs import RequestOutput, StreamDelta, Usage
+from .tool_decision import ToolDecision
 
 __all__ = [
     "Engine", "EngineConfig", "KVCMASConfig", "StorageSpec", "ReuseOptions", "SamplingParams", "RequestOutput",
-    "StreamDelta", "Usage", "ToolCall", "InvalidToolCall", "InvalidRequestError", "ContextLengthError",
+    "StreamDelta", "Usage", "ToolDecision", "ToolCall", "InvalidToolCall", "InvalidRequestError", "ContextLengthError",
     "EngineError", "EngineClosedError", "ModelNotFoundError", "ConfigError", "RequestTimeoutError",
 ]

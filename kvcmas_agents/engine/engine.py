@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 import weakref
+from functools import cached_property
 from typing import Any, AsyncIterator, Iterable
 
 import torch
@@ -22,6 +23,7 @@ from ..cache.kv_store import KVStore
 from ..cache.prefix_cache import PrefixCache
 from ..chat.detokenize import IncrementalDetokenizer
 from ..chat.template import ChatFormatter, RenderedPrompt
+from ..chat.tools import TOOL_CALL_OPEN
 from ..errors import ConfigError, EngineClosedError, EngineError, InvalidRequestError, RequestTimeoutError
 from ..kernels import cpu_view
 from ..model.grammar import Grammars
@@ -41,6 +43,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sinks import LoopSink, ThreadSink
 from .stats import Counters
+from .tool_decision import TEXT_ANSWER, ToolDecision
 from .worker import ABORT, ADD, CLOSE, Worker
 
 
@@ -135,12 +138,16 @@ class Engine:
     async def generate(self, messages: list[dict], agent: str = "default",
                        sampling: SamplingParams | None = None, tools: list[dict] | None = None,
                        tool_choice: Any = None, request_id: str | None = None,
-                       reuse_options: ReuseOptions | None = None) -> RequestOutput:
+                       reuse_options: ReuseOptions | None = None,
+                       tool_decision: ToolDecision | None = None) -> RequestOutput:
         """Run one chat request to completion and return its output.
 
         reuse_options overrides the engine's reuse mode / recompute_ratio / rank / reference for this request.
+        tool_decision: with tools and tool_choice "auto", a decision step first scores whether the reply
+        should be a tool call, and if so constrains it to one (engine/tool_decision.py); None: free decoding.
         """
-        async for delta in self.stream(messages, agent, sampling, tools, tool_choice, request_id, reuse_options):
+        async for delta in self.stream(messages, agent, sampling, tools, tool_choice, request_id, reuse_options,
+                                       tool_decision):
             if delta.output is not None:
                 return delta.output
         raise EngineError("stream ended without an output")  # unreachable: the worker always finishes
@@ -148,13 +155,21 @@ class Engine:
     async def stream(self, messages: list[dict], agent: str = "default",
                      sampling: SamplingParams | None = None, tools: list[dict] | None = None,
                      tool_choice: Any = None, request_id: str | None = None,
-                     reuse_options: ReuseOptions | None = None) -> AsyncIterator[StreamDelta]:
+                     reuse_options: ReuseOptions | None = None,
+                     tool_decision: ToolDecision | None = None) -> AsyncIterator[StreamDelta]:
         """Stream a chat request: text deltas, then a final delta carrying finish_reason and output.
 
         Cancelling the consumer (or leaving the loop early) aborts the request and frees its KV.
         """
+        call = None
+        if tool_decision is not None and tool_decision.applies(tools, tool_choice):
+            call = tool_decision.scores(messages) and tool_decision.calls(tool_decision.score(await self.generate(
+                messages, agent, tool_decision.scoring(self.call_open_ids), tools, "auto", None, reuse_options),
+                self.call_open_ids))
         sink = LoopSink(asyncio.get_running_loop())
-        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink, reuse_options)
+        req = self._make_request(messages, agent, sampling, tools, "required" if call else tool_choice, request_id,
+                                 sink, reuse_options)
+        self._decided(req, call)
         self._submit(req)
         done = False
         try:
@@ -174,7 +189,8 @@ class Engine:
     def generate_sync(self, messages: list[dict], agent: str = "default",
                       sampling: SamplingParams | None = None, tools: list[dict] | None = None,
                       tool_choice: Any = None, request_id: str | None = None,
-                      reuse_options: ReuseOptions | None = None, timeout: float | None = None) -> RequestOutput:
+                      reuse_options: ReuseOptions | None = None, timeout: float | None = None,
+                      tool_decision: ToolDecision | None = None) -> RequestOutput:
         """Blocking ``generate`` for synchronous callers (any thread, no event loop needed).
 
         timeout: seconds to wait for the whole request; past it the request is aborted (its KV freed) and
@@ -182,8 +198,15 @@ class Engine:
         """
         if timeout is not None and not (_is_number(timeout) and timeout > 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        call = None
+        if tool_decision is not None and tool_decision.applies(tools, tool_choice):
+            call = tool_decision.scores(messages) and tool_decision.calls(tool_decision.score(self.generate_sync(
+                messages, agent, tool_decision.scoring(self.call_open_ids), tools, "auto", None, reuse_options,
+                timeout), self.call_open_ids))
         sink = ThreadSink()
-        req = self._make_request(messages, agent, sampling, tools, tool_choice, request_id, sink, reuse_options)
+        req = self._make_request(messages, agent, sampling, tools, "required" if call else tool_choice, request_id,
+                                 sink, reuse_options)
+        self._decided(req, call)
         deadline = None if timeout is None else time.monotonic() + timeout
         self._submit(req)
         try:
@@ -200,6 +223,12 @@ class Engine:
         except BaseException:
             self._inbox.put((ABORT, req))
             raise
+
+    @cached_property
+    def call_open_ids(self) -> list[int]:
+        """The tokens of the tool-call tag, as the model writes it (scored by ``ToolDecision``)."""
+        with self._tok_lock:
+            return list(self.tokenizer.encode(TOOL_CALL_OPEN, add_special_tokens=False))
 
     def set_edges(self, edges: Iterable[tuple[str, str]]) -> None:
         """Register the agent pipeline's edge order (predecessor, successor), e.g. from a LangGraph graph.
@@ -374,6 +403,12 @@ class Engine:
                 f"request needs {need} KV blocks ({len(prompt.token_ids)} prompt + {max_new} new tokens) but "
                 f"kv_budget_bytes={self.config.kv_budget_bytes} holds only {self.store.num_blocks}")
         return req
+
+    def _decided(self, req: Request, call: bool | None) -> None:
+        """A reply the decision step made a text answer may not open a call (``TEXT_ANSWER``)."""
+        sampling = req.sampling
+        if call is False and req.grammar is None and not sampling.ignore_eos and sampling.forced_tokens is None:
+            req.grammar = self.grammars.state(TEXT_ANSWER)
 
     def _submit(self, req: Request) -> None:
         if self._closed:

@@ -187,8 +187,10 @@ class Scheduler:
         items: list[StepItem] = []
         for req in self.running:
             if not req.in_prefill and budget > 0:
-                items.append(StepItem(req, 1))
-                budget -= 1
+                # One sampled token, or with it the tokens its grammar forced (engine/jump.py), in one chunk.
+                n = min(req.num_tokens - req.num_computed, budget)
+                items.append(StepItem(req, n))
+                budget -= n
         for req in self.running:
             if req.in_prefill and budget > 0 and not req.needs_correction:
                 end = req.own_prefix_end if req.num_computed < req.own_prefix_end else len(req.prompt_ids)

@@ -24,7 +24,8 @@ from ..errors import EngineClosedError, EngineError
 from ..model.sampling import Sampler
 from ..reuse.base import ReuseMethod
 from .handoffs import HandOffs
-from .logprobs import logprob_entry
+from .jump import jump_forward
+from .logprobs import Logprob, logprob_entry
 from .outputs import RequestOutput, StreamDelta, Usage
 from .request import Request
 from .runner import ModelRunner
@@ -299,7 +300,14 @@ class Worker:
             return self.retire(req, "stop", text, [tok])
         if len(req.output_ids) >= req.max_new_tokens:
             return self.retire(req, "length", text, [tok])
-        self.emit(req, StreamDelta(text=text, token_ids=[tok]))
+        jump = jump_forward(req, self.tok_lock)       # tokens the grammar forces next, appended unsampled
+        if req.sampling.logprobs:                     # forced: the grammar leaves them probability 1
+            for t in jump.token_ids:
+                text_t, raw_bytes = self.token_texts(t)
+                req.logprobs.append(Logprob(t, text_t, 0.0, raw_bytes))
+        if jump.finish_reason is not None:
+            return self.retire(req, jump.finish_reason, text + jump.text, [tok, *jump.token_ids])
+        self.emit(req, StreamDelta(text=text + jump.text, token_ids=[tok, *jump.token_ids]))
 
     # --- the end of a request ------------------------------------------------------------------
     def emit(self, req: Request, event: Any) -> None:
@@ -345,7 +353,8 @@ class Worker:
 
     def _output(self, req: Request) -> RequestOutput:
         text = req.detok.text
-        parsed = parse_tool_calls(text, req.tool_names) if req.tool_names else None
+        cut = req.finish_reason == "length"         # a cut call stays in the content
+        parsed = parse_tool_calls(text, req.tool_names, cut) if req.tool_names else None
         reason = req.finish_reason
         if parsed is not None and parsed.tool_calls:
             reason = "tool_calls"

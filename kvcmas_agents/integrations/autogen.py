@@ -26,7 +26,8 @@ from pydantic import BaseModel
 from typing_extensions import Self
 
 from ..chat.template import with_system_text
-from ..engine import Engine, EngineError, RequestOutput, ReuseOptions, SamplingParams
+from ..engine import Engine, EngineError, RequestOutput, ReuseOptions, SamplingParams, ToolDecision
+from ..engine.tool_decision import DEFAULT_THRESHOLD
 from ..registry import ADAPTER_REUSE, get_engine, hold_engine, release_engine
 from ._autogen_convert import (
     json_instruction, response_format, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
@@ -60,6 +61,7 @@ class KVCMASClientConfig(BaseModel):
     recompute_ratio: Optional[float] = None
     rank: Optional[int] = None
     reference: Optional[str] = None
+    tool_call_threshold: Optional[float] = DEFAULT_THRESHOLD
     model_info: Optional[ModelInfo] = None
 
 
@@ -88,6 +90,9 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
             engine's). A shared engine this client creates runs ``reuse`` or, if None, "kvcmas".
         recompute_ratio, rank, reference: KVCMAS knobs for this client's requests (None: the engine's).
             ``extra_create_args`` may override any of the four per call.
+        tool_call_threshold: with tools and tool_choice "auto", a decision step scores the log probability
+            of the reply opening with a tool call; above this it is a (grammar-constrained) call
+            (docs/tool_calls.md). None leaves the choice to free decoding, where the default model never calls.
         engine: use this engine instead of the shared one.
         model_info: override the reported ModelInfo.
     """
@@ -99,8 +104,10 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
     def __init__(self, model: str | None = None, *, temperature: float = 0.0, max_tokens: int = 256,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 logit_bias: Mapping[int | str, float] | None = None, agent: str | None = None, reuse: str | None = None, recompute_ratio: float | None = None,
-                 rank: int | None = None, reference: str | None = None, engine: Engine | None = None,
+                 logit_bias: Mapping[int | str, float] | None = None,
+                 agent: str | None = None, reuse: str | None = None, recompute_ratio: float | None = None,
+                 rank: int | None = None, reference: str | None = None,
+                 tool_call_threshold: float | None = DEFAULT_THRESHOLD, engine: Engine | None = None,
                  model_info: ModelInfo | None = None) -> None:
         self._defaults = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                         top_k=top_k, seed=seed, stop=list(stop or []),
@@ -113,6 +120,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         self._agent = agent
         self._reuse = ReuseOptions(reuse, recompute_ratio, rank, reference)
         self._reuse.validate()
+        self._decision = None if tool_call_threshold is None else ToolDecision(tool_call_threshold)
         self._engine = engine
         self._held = False              # True once it holds the shared engine (released by close)
         self._closed = False
@@ -152,7 +160,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         req = self._prepare(messages, tools, tool_choice, json_output, extra_create_args)
         task = asyncio.ensure_future(self.engine.generate(
             req.messages, agent=req.agent, sampling=req.sampling, tools=req.tools, tool_choice=req.tool_choice,
-            reuse_options=req.reuse_options))
+            reuse_options=req.reuse_options, tool_decision=self._decision))
         if cancellation_token is not None:
             cancellation_token.link_future(task)
         out = await task
@@ -179,7 +187,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         async def pump() -> None:
             async for delta in self.engine.stream(req.messages, agent=req.agent, sampling=req.sampling,
                                                   tools=req.tools, tool_choice=req.tool_choice,
-                                                  reuse_options=req.reuse_options):
+                                                  reuse_options=req.reuse_options,
+                                                  tool_decision=self._decision):
                 queue.put_nowait(delta)
 
         task = asyncio.ensure_future(pump())
@@ -292,7 +301,9 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
                                   logit_bias=d.logit_bias,
                                   agent=self._agent, reuse=self._reuse.reuse,
                                   recompute_ratio=self._reuse.recompute_ratio, rank=self._reuse.rank,
-                                  reference=self._reuse.reference, model_info=self._model_info)
+                                  reference=self._reuse.reference,
+                                  tool_call_threshold=self._decision.threshold if self._decision else None,
+                                  model_info=self._model_info)
 
     @classmethod
     def _from_config(cls, config: KVCMASClientConfig) -> Self:

@@ -16,7 +16,8 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, Field, model_validator
 
 from ..chat.template import with_system_text
-from ..engine import Engine, ReuseOptions, SamplingParams
+from ..engine import Engine, ReuseOptions, SamplingParams, ToolDecision
+from ..engine.tool_decision import DEFAULT_THRESHOLD
 from ..model.loader import DEFAULT_MODEL
 from ..registry import ADAPTER_REUSE, get_engine
 from . import _lc_messages as conv
@@ -85,6 +86,10 @@ class ChatKVCMAS(BaseChatModel):
     """KVCMAS: SVD rank of each stored correction (None: the engine's)."""
     reference: str | None = None
     """KVCMAS: reference view, "home" or "chain" (None: the engine's)."""
+    tool_call_threshold: float | None = DEFAULT_THRESHOLD
+    """With bound tools and tool_choice "auto": the log probability of the reply opening with a tool
+    call above which it is a (grammar-constrained) call, scored by a decision step first
+    (docs/tool_calls.md). None leaves the choice to free decoding, where the default model never calls."""
     engine: Engine | None = Field(default=None, exclude=True, repr=False)
     """An explicit engine; overrides the shared registry engine."""
 
@@ -139,7 +144,8 @@ class ChatKVCMAS(BaseChatModel):
                 "stop": self.stop, "agent": self.agent, "reuse": self.reuse,
                 "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
                 "logit_bias": self.logit_bias,
-                "recompute_ratio": self.recompute_ratio, "rank": self.rank, "reference": self.reference}
+                "recompute_ratio": self.recompute_ratio, "rank": self.rank, "reference": self.reference,
+                "tool_call_threshold": self.tool_call_threshold}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider=conv.PROVIDER, ls_model_name=kwargs.get("model") or self.model
@@ -221,8 +227,10 @@ class ChatKVCMAS(BaseChatModel):
         if kwargs:
             raise TypeError(f"ChatKVCMAS got unexpected call arguments: {sorted(kwargs)}")
         engine_messages = with_system_text(conv.to_engine_messages(messages), instruction)
+        decision = None if self.tool_call_threshold is None else ToolDecision(self.tool_call_threshold)
         return engine, {"messages": engine_messages, "agent": agent, "sampling": sampling,
-                        "tools": tools, "tool_choice": tool_choice, "reuse_options": reuse_options}
+                        "tools": tools, "tool_choice": tool_choice, "reuse_options": reuse_options,
+                        "tool_decision": decision}
 
     def _reuse_options(self, overrides: dict[str, Any]) -> ReuseOptions:
         """Per-request reuse knobs: call overrides, then fields; None leaves the engine's setting."""
@@ -313,13 +321,18 @@ def _langgraph_agent(run_manager: Any) -> str | None:
 async def _chunks(engine: Engine, request: dict[str, Any]) -> AsyncIterator[ChatGenerationChunk]:
     """Engine deltas as LangChain chunks; tool-call blocks are held back for the final chunk."""
     hide = ToolBlockFilter() if request["tools"] else None
+    shown = ""
     async for delta in engine.stream(**request):
         text = hide.push(delta.text) if hide else delta.text
         if delta.output is not None:
             text += hide.flush() if hide else ""
+            content = delta.output.content        # a call cut by max_tokens is content, as in invoke()
+            if hide and content.startswith(shown + text):
+                text = content[len(shown):]
             yield ChatGenerationChunk(message=conv.final_chunk(text, delta.output, engine.model_name),
                                       generation_info={"finish_reason": delta.output.finish_reason})
         elif text:
+            shown += text
             yield ChatGenerationChunk(message=AIMessageChunk(content=text))
 
 

@@ -23,7 +23,8 @@ _CACHE_SIZE = 256
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """Output that is ``prefix``, then one JSON value valid against ``schema``, then ``suffix``.
+    """Output that is ``prefix``, then one JSON value valid against ``schema`` (or text matching
+    ``regex``), then ``suffix``.
 
     ``schema`` is compact JSON text (``GrammarSpec.of`` builds it), the cache key. Key order is kept:
     it is the order in which the properties are generated.
@@ -32,6 +33,11 @@ class GrammarSpec:
     schema: str
     prefix: str = ""
     suffix: str = ""
+    regex: str = ""          # when set, the output is this regular expression instead of JSON
+
+    @classmethod
+    def pattern(cls, regex: str) -> "GrammarSpec":
+        return cls("", regex=regex)
 
     @classmethod
     def of(cls, schema: Any, prefix: str = "", suffix: str = "") -> "GrammarSpec":
@@ -45,8 +51,9 @@ class GrammarSpec:
 class GrammarState:
     """One request's position in its grammar (not thread-safe; the worker owns it while it runs)."""
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, vocab_size: int):
         self._matcher = matcher
+        self._vocab_size = vocab_size
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (an xgrammar int32 bitmask)."""
@@ -58,8 +65,25 @@ class GrammarState:
 
     @property
     def completed(self) -> bool:
-        """The output so far is a complete match (only a stop token may follow)."""
+        """The output so far is a complete match (a stop token may follow)."""
         return bool(self._matcher.is_completed())
+
+    def forced(self) -> list[int]:
+        """Tokens the grammar allows as the only continuation (jump-forward), not yet accepted; [] when
+        the model has a choice. xgrammar leaves out a last token that could be the start of a longer one."""
+        return list(self._matcher.find_jump_forward_tokens())
+
+    @property
+    def ended(self) -> bool:
+        """Complete, with nothing but a stop token allowed next: the output cannot grow."""
+        if not self._matcher.is_completed():
+            return False
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        self._matcher.fill_next_token_bitmask(mask, 0)
+        allowed = _bits(mask[0], self._vocab_size)
+        return allowed <= set(self._matcher.stop_token_ids)
 
 
 class Grammars:
@@ -82,7 +106,7 @@ class Grammars:
         """A fresh matcher at the start of ``spec``; InvalidRequestError when it cannot compile."""
         import xgrammar as xgr
 
-        return GrammarState(xgr.GrammarMatcher(self.compiled(spec)))
+        return GrammarState(xgr.GrammarMatcher(self.compiled(spec)), self.vocab_size)
 
     def compiled(self, spec: GrammarSpec) -> Any:
         with self._lock:
@@ -107,13 +131,21 @@ class Grammars:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         try:
             # Compact JSON (no free whitespace): a small model cannot then stall in endless blanks.
-            body = xgr.Grammar.from_json_schema(spec.schema, any_whitespace=False, strict_mode=True)
+            body = (xgr.Grammar.from_regex(spec.regex) if spec.regex else
+                    xgr.Grammar.from_json_schema(spec.schema, any_whitespace=False, strict_mode=True))
             parts = [_literal(xgr, spec.prefix), body, _literal(xgr, spec.suffix)]
             grammar = xgr.Grammar.concat(*[p for p in parts if p is not None])
             return self._compiler.compile_grammar(grammar)
         except RuntimeError as exc:
             reason = str(exc).strip().splitlines()[0].split("] ", 1)[-1]   # drop xgrammar's "[time] file:line"
             raise InvalidRequestError(f"cannot constrain output to this JSON schema: {reason}") from exc
+
+
+def _bits(row: torch.Tensor, vocab_size: int) -> set[int]:
+    """The token ids set in one int32 bitmask row."""
+    words = row.to(torch.int64) & 0xFFFFFFFF
+    bits = (words.unsqueeze(1) >> torch.arange(32)) & 1
+    return set(torch.nonzero(bits.flatten()[:vocab_size]).flatten().tolist())
 
 
 def _literal(xgr: Any, text: str) -> Any:

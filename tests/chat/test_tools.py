@@ -185,6 +185,17 @@ def test_parse_truncated_json_is_invalid() -> None:
     assert bad.arguments is not None and bad.arguments.startswith('{"name"')
 
 
+def test_parse_a_call_cut_by_max_tokens_keeps_its_text() -> None:
+    text = 'Sure.<tool_call>{"name": "add", "arguments": {"a": '
+    out = parse_tool_calls(text, NAMES, cut=True)
+    assert out.content == text and out.tool_calls == []
+    assert "cut off by max_tokens" in out.invalid_tool_calls[0].error
+    done = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    assert parse_tool_calls(done, NAMES, cut=True).content == ""      # a finished call is no cut
+    whole = parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1}}', NAMES, cut=True)
+    assert whole.content == "" and whole.tool_calls[0].arguments == {"a": 1}   # cut right after complete JSON
+
+
 def test_parse_garbage_block_is_invalid_and_keeps_others() -> None:
     text = '<tool_call>not json at all</tool_call><tool_call>{"name": "add", "arguments": {}}</tool_call>'
     out = parse_tool_calls(text, NAMES)

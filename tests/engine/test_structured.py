@@ -29,7 +29,8 @@ HI = [{"role": "user", "content": "Say hi."}]
 async def test_json_schema_output_parses_against_the_schema(engine_none):
     out = await engine_none.generate(JOKE_MESSAGES, sampling=SamplingParams(max_tokens=64,
                                                                             response_format=JOKE_FORMAT))
-    assert out.finish_reason == "stop" and out.stop_reason == "<|im_end|>"
+    # a complete grammar allows only a stop token: the request ends there without sampling it
+    assert out.finish_reason == "stop" and out.stop_reason is None
     joke = json.loads(out.text)
     assert list(joke) == ["setup", "punchline"] and all(isinstance(v, str) and v for v in joke.values())
 
@@ -60,6 +61,24 @@ async def test_a_forced_tool_call_is_well_formed(engine_none, choice, name):
     (call,) = out.tool_calls
     assert call.name == name
     assert (call.arguments == {"a": 3, "b": 4}) if name == "add" else isinstance(call.arguments["city"], str)
+
+
+async def test_a_forced_call_jumps_over_what_the_grammar_fixes(engine_none):
+    """The forced parts (tag, name, keys, closing) go in unsampled, in one chunk: few model steps, same call."""
+    steps = engine_none.stats()["counters"]["steps"]
+    out = await engine_none.generate([{"role": "user", "content": "What is 3 + 4?"}],
+                                     sampling=SamplingParams(max_tokens=64), tools=TOOLS, tool_choice="add")
+    steps = engine_none.stats()["counters"]["steps"] - steps
+    assert out.text == '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+    assert out.usage.completion_tokens == 31 and steps <= 10, steps     # 32 steps, one per token, before
+
+
+async def test_a_forced_call_cut_by_max_tokens_keeps_its_partial_text(engine_none):
+    out = await engine_none.generate([{"role": "user", "content": "What is 3 + 4?"}],
+                                     sampling=SamplingParams(max_tokens=20), tools=TOOLS, tool_choice="add")
+    assert out.finish_reason == "length" and not out.tool_calls
+    assert out.content == out.text and out.content.startswith('<tool_call>{"name": "add", "arguments": {')
+    assert "cut off by max_tokens" in out.invalid_tool_calls[0].error
 
 
 async def test_a_forced_call_of_a_tool_without_parameters(engine_none):

@@ -331,6 +331,14 @@ async def test_stream_of_a_cut_off_tool_call_adds_up_to_the_create_result(engine
     assert "".join(chunks) == result.content
 
 
+async def test_a_forced_call_cut_by_max_tokens_is_text(engine):
+    client = KVCMASClient(engine=engine, max_tokens=22)     # stops inside the arguments
+    messages = [UserMessage(content="Weather in London?", source="user")]
+    created = await client.create(messages, tools=[WEATHER], tool_choice="required")
+    assert created.finish_reason == "length"
+    assert created.content.startswith('<tool_call>{"name": "get_weather", "arguments": {'), created
+
+
 class City(BaseModel):
     name: str
     country: str
@@ -503,6 +511,21 @@ async def test_tool_agent_in_team_run_stream(engine):
         assert [r.call_id for r in results] == [c.id for c in calls]
         assert not any(r.is_error for r in results)
     assert "forecaster" in engine.stats()["agents"]
+
+
+async def test_assistant_agent_calls_its_tool_with_tool_choice_left_auto(engine):
+    """The decision step (the client's default) makes the agent call its tool; without it, it answers."""
+    task = "What is the weather in Paris?"
+    agent = AssistantAgent("weather", model_client=KVCMASClient(engine=engine, max_tokens=48), tools=[WEATHER])
+    result = await agent.run(task=task)
+    calls = [c for m in result.messages if isinstance(m, ToolCallRequestEvent) for c in m.content]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    done = [r for m in result.messages if isinstance(m, ToolCallExecutionEvent) for r in m.content]
+    assert [(r.content, r.is_error) for r in done] == [("Sunny in Paris", False)]
+    free = AssistantAgent("weather_free", model_client=KVCMASClient(engine=engine, max_tokens=48,
+                                                                    tool_call_threshold=None), tools=[WEATHER])
+    free_result = await free.run(task=task)
+    assert not any(isinstance(m, ToolCallRequestEvent) for m in free_result.messages)
 
 
 # --- cancellation -------------------------------------------------------------------------------

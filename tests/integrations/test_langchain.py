@@ -311,6 +311,16 @@ async def test_tool_choice_forces_a_well_formed_call(llm, choice):
     assert not msg.invalid_tool_calls and msg.response_metadata["finish_reason"] == "tool_calls"
 
 
+async def test_a_forced_call_cut_by_max_tokens_comes_back_as_text(llm):
+    bound = llm.bind_tools([add], tool_choice="add").bind(max_tokens=20)
+    msg = await bound.ainvoke("What is 3 + 4?")
+    assert msg.response_metadata["finish_reason"] == "length" and not msg.tool_calls
+    assert msg.content.startswith('<tool_call>{"name": "add", "arguments": {')
+    assert "cut off by max_tokens" in msg.invalid_tool_calls[0]["error"]
+    chunks = [c async for c in bound.astream("What is 3 + 4?")]
+    assert sum(chunks[1:], chunks[0]).content == msg.content
+
+
 async def test_structured_output_include_raw_and_parse_errors(llm):
     chain = ChatKVCMAS(engine=llm.engine, max_tokens=48).with_structured_output(
         Joke, method="json_schema", include_raw=True)

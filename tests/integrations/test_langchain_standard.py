@@ -19,14 +19,10 @@ PARAMS: dict[str, Any] = {"max_tokens": 32, "agent": "standard-tests"}
 # Output-quality limits of the 135M default model, not adapter bugs or missing features: tool calls
 # and structured output are grammar-constrained (docs/structured_output.md), so what is left is what
 # the model writes inside them. Keep docs/langchain-standard-xfails.md in sync.
-NO_AUTO_TOOL_CALL = pytest.mark.xfail(
-    reason="with tool_choice left to the model, SmolLM2-135M does not choose to call the tool", strict=False)
 CUT_BY_LENGTH = pytest.mark.xfail(
     reason="the constrained reply is well-formed, but SmolLM2-135M keeps writing inside a free-text string "
            "past the suite's 32-token budget, so the JSON/call is cut (finish_reason='length')", strict=False)
 
-# Overrides must restate the base tests' parametrization.
-OUTPUT_VERSIONS = pytest.mark.parametrize("model", [{}, {"output_version": "v1"}], indirect=True)
 # typeddict and json_schema pass: LangChain's dict parser closes the cut JSON and the test only checks
 # that no unknown key appears. The pydantic class needs "punchline", which the cut JSON lacks.
 SCHEMA_TYPES = pytest.mark.parametrize("schema_type", [pytest.param("pydantic", marks=CUT_BY_LENGTH),
@@ -105,11 +101,6 @@ class TestChatKVCMASIntegration(ChatModelIntegrationTests):
         await super().test_structured_output_async(model, schema_type)
 
     # --- xfails: model quality (see above) --------------------------------------------------------
-    @NO_AUTO_TOOL_CALL
-    @OUTPUT_VERSIONS
-    def test_agent_loop(self, model: Any) -> None:
-        super().test_agent_loop(model)
-
     @CUT_BY_LENGTH
     def test_bind_runnables_as_tools(self, model: Any) -> None:
         super().test_bind_runnables_as_tools(model)

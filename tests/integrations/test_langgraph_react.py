@@ -42,6 +42,16 @@ def test_truncated_tool_call_is_invalid_streamed_or_not(engine_prefix):
     assert "invalid JSON" in bad[0]["error"]
 
 
+def test_react_agent_calls_its_tool_then_answers(engine_prefix):
+    """tool_choice is left to the model: ChatKVCMAS's decision step makes it call, then answer the result."""
+    agent = create_react_agent(ChatKVCMAS(engine=engine_prefix, max_tokens=32), [get_weather])
+    out = agent.invoke({"messages": [HumanMessage("What is the weather in Paris?")]}, {"recursion_limit": 6})
+    call, result, answer = out["messages"][1:]
+    assert [(c["name"], c["args"]) for c in call.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert isinstance(result, ToolMessage) and result.content == "Sunny in Paris"
+    assert isinstance(answer, AIMessage) and not answer.tool_calls and answer.content
+
+
 def test_react_agents_used_as_nodes_are_accounted_by_their_names(engine_prefix):
     llm = ChatKVCMAS(engine=engine_prefix, max_tokens=4)
     team = StateGraph(MessagesState)
