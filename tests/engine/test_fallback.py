@@ -21,10 +21,17 @@ def kvcmas():
     engine.close()
 
 
-def held_by_requests(engine: Engine) -> int:
-    """KV bytes requests still hold (active blocks beyond the home views): 0 once all have ended."""
-    mem = engine.stats()["memory"]
-    return mem["kv_bytes_active"] - mem["home_view_bytes"]
+def held_by_requests(engine: Engine, settle_s: float = 20.0) -> int:
+    """KV bytes requests hold (active blocks beyond the home views) once the worker's ahead-of-time work
+    for them is done (its side requests hold blocks while they run): 0 once all have ended."""
+    import time
+    deadline = time.monotonic() + settle_s
+    while True:
+        mem = engine.stats()["memory"]
+        held = mem["kv_bytes_active"] - mem["home_view_bytes"]
+        if held == 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
 
 
 def _system(agent: str) -> dict:

@@ -67,9 +67,17 @@ def _history_entry(agent: str, turn: dict, text: str, previous: str | None, i: i
     return [{"role": "user", "content": f"{agent}: {text}"}]
 
 
-def held_by_requests(engine: Engine) -> int:
-    mem = engine.stats()["memory"]
-    return mem["kv_bytes_active"] - mem["home_view_bytes"]
+def held_by_requests(engine: Engine, settle_s: float = 20.0) -> int:
+    """KV bytes requests hold (active blocks beyond the home views) once the worker's ahead-of-time work
+    for them is done (its side requests hold blocks while they run): 0 once all have ended."""
+    import time
+    deadline = time.monotonic() + settle_s
+    while True:
+        mem = engine.stats()["memory"]
+        held = mem["kv_bytes_active"] - mem["home_view_bytes"]
+        if held == 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.05)
 
 
 async def _run(engine: Engine, flow: dict) -> list[tuple[list[dict], SamplingParams, object]]:
