@@ -173,7 +173,7 @@ def test_model_info_and_bad_arguments(client):
     assert info["structured_output"] is True and info["family"] == "unknown"
     assert client.capabilities["function_calling"] is True
     with pytest.raises(ValueError, match="extra_create_args"):
-        client._prepare(HELLO, [], "auto", None, {"frequency_penalty": 1.0})
+        client._prepare(HELLO, [], "auto", None, {"best_of": 2})
     other = FunctionTool(echo, description="Echo.")
     with pytest.raises(ValueError, match="not in tools"):
         client._prepare(HELLO, [WEATHER], other, None, {})

@@ -213,7 +213,7 @@ async def test_call_stop_replaces_the_field_as_in_chat_openai(engine_prefix):
 
 async def test_unexpected_call_arguments_and_bad_roles_fail_fast(llm):
     with pytest.raises(TypeError, match="unexpected call arguments"):
-        await llm.ainvoke("hi", frequency_penalty=1.0)
+        await llm.ainvoke("hi", best_of=2)
     with pytest.raises(ValueError, match="unknown role"):
         await llm.ainvoke([ChatMessage(role="narrator", content="hi")])
     with pytest.raises(ValueError, match="text-only"):
