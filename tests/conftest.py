@@ -34,3 +34,21 @@ def selection_queries(monkeypatch):
 
     monkeypatch.setattr(select, "MassBackend", backend)
     return queries
+
+
+@pytest.fixture(scope="session")
+def held_by_requests():
+    """A function: KV bytes an engine's requests hold (active blocks beyond the home views), read once
+    the worker's ahead-of-time work is done (its side requests hold blocks while they run); 0 once all
+    requests have ended."""
+    import time
+
+    def held(engine: Engine, settle_s: float = 20.0) -> int:
+        deadline = time.monotonic() + settle_s
+        while True:
+            mem = engine.stats()["memory"]
+            n = mem["kv_bytes_active"] - mem["home_view_bytes"]
+            if n == 0 or time.monotonic() > deadline:
+                return n
+            time.sleep(0.05)
+    return held

@@ -21,19 +21,6 @@ def kvcmas():
     engine.close()
 
 
-def held_by_requests(engine: Engine, settle_s: float = 20.0) -> int:
-    """KV bytes requests hold (active blocks beyond the home views) once the worker's ahead-of-time work
-    for them is done (its side requests hold blocks while they run): 0 once all have ended."""
-    import time
-    deadline = time.monotonic() + settle_s
-    while True:
-        mem = engine.stats()["memory"]
-        held = mem["kv_bytes_active"] - mem["home_view_bytes"]
-        if held == 0 or time.monotonic() > deadline:
-            return held
-        time.sleep(0.05)
-
-
 def _system(agent: str) -> dict:
     return {"role": "system", "content": f"You are the {agent}. Be brief."}
 
@@ -55,7 +42,8 @@ async def _rounds(engine: Engine, task: str, rounds: int, sampling: SamplingPara
     ("Say yes.", GREEDY, "ok"),                                       # one-token replies
     ("Write hello world in Python.", SamplingParams(max_tokens=1, temperature=0.0), None),
 ])
-async def test_workflows_with_repeated_and_tiny_replies_answer_under_kvcmas(kvcmas, task, sampling, reply):
+async def test_workflows_with_repeated_and_tiny_replies_answer_under_kvcmas(kvcmas, task, sampling, reply,
+                                                                        held_by_requests):
     """The reported reproduction (identical replies made row states of different requests start at
     different layers; the gather failed on them) and its neighbours: every turn answers, by reuse."""
     before = kvcmas.stats()["counters"]
@@ -77,7 +65,7 @@ async def _agent_turns(engine: Engine) -> list[list[dict]]:
     return prompts
 
 
-async def test_a_failing_correction_falls_back_to_an_exact_prefill(monkeypatch, caplog, engine_none):
+async def test_a_failing_correction_falls_back_to_an_exact_prefill(monkeypatch, caplog, engine_none, held_by_requests):
     """A correction that raises costs the request its reuse, not its answer: it is served as an exact
     prefill (the same greedy tokens as reuse="none"), logged once, counted, and said in its output;
     the next request of the workflow still reuses."""
@@ -110,7 +98,7 @@ async def test_a_failing_correction_falls_back_to_an_exact_prefill(monkeypatch, 
         engine.close()
 
 
-async def test_a_view_failing_mid_decode_is_finished_exactly(monkeypatch):
+async def test_a_view_failing_mid_decode_is_finished_exactly(monkeypatch, held_by_requests):
     """A decode step over a corrected view that raises after some tokens were streamed: the request
     recomputes its prompt and those tokens exactly and finishes; what was streamed stays its output."""
     engine = Engine(EngineConfig(reuse="kvcmas"))         # decodes over its view (decode_copy "off")
@@ -138,7 +126,7 @@ async def test_a_view_failing_mid_decode_is_finished_exactly(monkeypatch):
         engine.close()
 
 
-async def test_a_failing_plan_admits_the_request_as_an_exact_prefill(monkeypatch, engine_none):
+async def test_a_failing_plan_admits_the_request_as_an_exact_prefill(monkeypatch, engine_none, held_by_requests):
     """Planning reuse that raises at admission fails nothing in flight: that request is prefilled exactly."""
     from kvcmas_agents.reuse.cross_agent import CrossAgentMethod
 
@@ -158,7 +146,7 @@ async def test_a_failing_plan_admits_the_request_as_an_exact_prefill(monkeypatch
         engine.close()
 
 
-async def test_failing_work_ahead_of_time_is_dropped_and_requests_go_on(monkeypatch):
+async def test_failing_work_ahead_of_time_is_dropped_and_requests_go_on(monkeypatch, held_by_requests):
     """Ahead-of-time corrections that raise outside the prefetcher's own guard are dropped and counted;
     the worker neither fails the requests in flight nor spins on the broken work."""
     from kvcmas_agents.reuse.kvcmas.prefetch import Prefetcher

@@ -67,19 +67,6 @@ def _history_entry(agent: str, turn: dict, text: str, previous: str | None, i: i
     return [{"role": "user", "content": f"{agent}: {text}"}]
 
 
-def held_by_requests(engine: Engine, settle_s: float = 20.0) -> int:
-    """KV bytes requests hold (active blocks beyond the home views) once the worker's ahead-of-time work
-    for them is done (its side requests hold blocks while they run): 0 once all have ended."""
-    import time
-    deadline = time.monotonic() + settle_s
-    while True:
-        mem = engine.stats()["memory"]
-        held = mem["kv_bytes_active"] - mem["home_view_bytes"]
-        if held == 0 or time.monotonic() > deadline:
-            return held
-        time.sleep(0.05)
-
-
 async def _run(engine: Engine, flow: dict) -> list[tuple[list[dict], SamplingParams, object]]:
     """Run a workflow; returns each request's (messages, sampling, output)."""
     agents, brief = flow["agents"], flow["brief"]
@@ -118,7 +105,7 @@ def engines():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["none", "prefix", "kvcmas"])
-def test_random_workflows_answer_exactly_or_within_reuse_and_free_their_kv(engines, mode):
+def test_random_workflows_answer_exactly_or_within_reuse_and_free_their_kv(engines, mode, held_by_requests):
     engine, solo = engines[mode], engines["none"]
 
     @settings(max_examples=EXAMPLES, deadline=None, derandomize=not RANDOM, database=None,
