@@ -161,10 +161,13 @@ class Worker:
 
     def planned_exactly(self, req: Request, exc: BaseException) -> None:
         """The request's reuse plan raised: it is admitted as an exact prefill instead (``Scheduler.plan``)."""
-        req.fallback = f"plan failed: {exc!r}"
+        self._record_fallback(req, "plan", exc)
+
+    def _record_fallback(self, req: Request, where: str, exc: BaseException) -> None:
+        req.fallback = f"{where} failed: {exc!r}"
         self.counters.add("reuse_fallbacks")
-        log.warning("kvcmas: %s's plan failed under reuse=%r; served as an exact prefill instead: %r",
-                    req.request_id, req.options.reuse, exc)
+        log.warning("kvcmas: %s's %s failed under reuse=%r; served as an exact prefill instead: %r",
+                    req.request_id, where, req.options.reuse, exc)
 
     def fall_back(self, req: Request, where: str, exc: BaseException) -> None:
         """A request whose reuse failed (its correction, or a step over its reused view) is served again as
@@ -176,10 +179,7 @@ class Worker:
             return
         if req.exact_fallback or req.aborted:
             return self.fail(req, EngineError(f"{where} failed for {req.request_id}: {exc!r}"))
-        req.fallback = f"{where} failed: {exc!r}"
-        self.counters.add("reuse_fallbacks")
-        log.warning("kvcmas: %s's %s failed under reuse=%r; served as an exact prefill instead: %r",
-                    req.request_id, where, req.options.reuse, exc)
+        self._record_fallback(req, where, exc)
         self.scheduler.requeue_exact(req)
 
     # --- one budget: blocks and the state held outside them ------------------------------------------
