@@ -1,42 +1,22 @@
 """The compiled CPU loops of ``cpu_view.c``: decode-sized attention over a corrected view, fp32.
 
-The C source is built once per machine with the system's C compiler (``cc``, or ``$CC``) into the
-kvcmas cache and loaded with ctypes; no Python headers or torch build are needed. ``load`` returns the
-library, or None with the reason in ``unavailable()`` when there is no compiler or the build fails, so
-callers can serve from the torch path and say so. Plain tensors in, plain tensors out.
-
-Where torch runs its threads on GNU OpenMP (libgomp, already loaded by torch) and the compiler is GCC,
-the loops are built with -fopenmp: the library then links the same libgomp by its soname, so its
-parallel regions use torch's own thread team, as many threads as ``torch.get_num_threads()``.
-Elsewhere they run on one thread, and ``status`` says why.
+Built and loaded by ``cbuild.CLibrary`` (once per machine, on torch's OpenMP threads where it can):
+``load`` returns the library, or None with the reason in ``unavailable()``, so callers can serve from
+the torch path and say so; ``status`` says which. Plain tensors in, plain tensors out.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .cbuild import CLibrary
+
 SOURCE = Path(__file__).with_name("cpu_view.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared"]
-# -fopenmp-simd honours the source's `omp simd` pragmas without linking an OpenMP runtime: a second
-# OpenMP runtime beside torch's would make every parallel region of the process sleep and wake.
-SINGLE, SHARED = "-fopenmp-simd", "-fopenmp"
 MAX_RANK = 256              # the C loops read one U row into a stack buffer of this size,
 MAX_ROWS = 64               # and blocks of rows' products with G * n <= MAX_ROWS query rows into others
-
-_lib: ctypes.CDLL | None = None
-_why: str | None = None
-_one_thread: str | None = None      # why the loops run on one thread, when they do
-_tried = False
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
@@ -49,107 +29,12 @@ _SIGNATURES = {
     "vd_view_attention": [_I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _F, _I, _P, _P, _I],
 }
 _KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
-
-
-def _cache_dir() -> Path:
-    """<the kvcmas cache>/kernels: $KVCMAS_CACHE_DIR, else $XDG_CACHE_HOME or ~/.cache, then kvcmas."""
-    env = os.environ.get("KVCMAS_CACHE_DIR")
-    root = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvcmas"
-    return root.expanduser() / "kernels"
-
-
-def _cpu() -> str:
-    """What -march=native builds for: a library built on one CPU is not loaded on another that shares
-    the cache."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return f"{platform.machine()} {platform.processor()} {flags}"
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler found (set CC)")
-    return cc
-
-
-def _gomp_paths() -> set[str]:
-    """The GNU OpenMP runtimes mapped into this process."""
-    try:
-        maps = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return set()
-    return {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
-
-
-def _threading(cc: str) -> str | None:
-    """None when the loops can share torch's OpenMP team, else why they run on one thread."""
-    if not sys.platform.startswith("linux"):
-        return f"threads are shared with torch on Linux only, not {sys.platform}"
-    if "OpenMP" not in torch.__config__.parallel_info().split("parallel backend:")[-1]:
-        return "torch's parallel backend is not OpenMP"
-    if len(_gomp_paths()) != 1:
-        return "torch's OpenMP runtime is not one libgomp"
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"{cc} --version failed: {exc}"
-    if "Free Software Foundation" not in version:
-        return f"{cc} is not GCC (its OpenMP runtime would not be torch's libgomp)"
-    return None
-
-
-def _build(target: Path, cc: str, flags: list[str]) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:      # build aside, then rename: atomic
-        out = Path(tmp) / target.name
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
-        os.replace(out, target)
-
-
-def _built(cc: str, openmp: str) -> Path:
-    """The library built with these OpenMP flags, building it unless the cache has it."""
-    flags = [*FLAGS, openmp]
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu().encode())
-    target = _cache_dir() / f"cpu_view-{key.hexdigest()[:12]}.so"
-    if not target.exists():
-        _build(target, cc, flags)
-    return target
+LIB = CLibrary(SOURCE, _SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU view kernel")
 
 
 def load() -> ctypes.CDLL | None:
     """The built library (building it on first use), or None when it cannot be built here."""
-    global _lib, _why, _one_thread, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("KVCMAS_NO_CPU_KERNEL"):
-        _why = "KVCMAS_NO_CPU_KERNEL is set"
-        return None
-    try:
-        cc = _compiler()
-        one = _threading(cc)
-        try:
-            target = _built(cc, SINGLE if one else SHARED)
-        except RuntimeError as exc:          # e.g. no libgomp to link against: one thread, still compiled
-            if one:
-                raise
-            one, target = f"the -fopenmp build failed: {exc}", _built(cc, SINGLE)
-        before = _gomp_paths()
-        lib = ctypes.CDLL(str(target))
-        if not one and _gomp_paths() != before:       # a runtime of its own, not torch's
-            one = "the library loaded a second libgomp"
-        for name, args in _SIGNATURES.items():
-            getattr(lib, name).argtypes, getattr(lib, name).restype = args, None
-    except Exception as exc:             # no compiler, a failed build, an unloadable library
-        _why = f"CPU view kernel unavailable: {exc}"
-        return None
-    _lib, _one_thread = lib, one
-    return lib
+    return LIB.load()
 
 
 def status(device: torch.device, dtype: torch.dtype) -> str:
@@ -162,17 +47,17 @@ def status(device: torch.device, dtype: torch.dtype) -> str:
         return f"torch: the compiled loops are fp32, the cache is {str(dtype).replace('torch.', '')}"
     if load() is None:
         return f"torch: {unavailable()}"
-    return f"compiled, one thread: {_one_thread}" if _one_thread else "compiled"
+    return f"compiled, one thread: {LIB.one_thread}" if LIB.one_thread else "compiled"
 
 
 def threads() -> int:
     """How many threads the loops' parallel regions ask for: torch's, where they share its team."""
-    return 1 if _one_thread else torch.get_num_threads()
+    return LIB.threads()
 
 
 def unavailable() -> str | None:
     """Why ``load`` returned None (after it was called), else None."""
-    return _why
+    return LIB.unavailable()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

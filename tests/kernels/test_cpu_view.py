@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvcmas_agents.kernels import cpu_view
+from kvcmas_agents.kernels import cbuild, cpu_view
 from kvcmas_agents.model.rope import inv_frequencies
 from kvcmas_agents.reuse.realign import Realigner
 from kvcmas_agents.reuse.storage.codec import Format, compress, compress_joint
@@ -92,10 +92,8 @@ def test_softmax_of_the_compiled_loops_is_exact_to_float_rounding():
 def test_without_a_compiler_the_torch_path_serves_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_view, "_tried", False)
-    monkeypatch.setattr(cpu_view, "_lib", None)
-    monkeypatch.setattr(cpu_view, "_why", None)
-    monkeypatch.setattr(cpu_view, "_one_thread", None)
+    monkeypatch.setattr(cpu_view, "LIB", cbuild.CLibrary(cpu_view.SOURCE, cpu_view._SIGNATURES, "KVCMAS_NO_CPU_KERNEL",
+                                                         "CPU view kernel"))
     assert cpu_view.load() is None and "no-such-cc" in (cpu_view.unavailable() or "")
     pieces, view, k_cache, v_cache, realigner, n = _view("int8", 2, 64, 1, 3, False)
     q = torch.randn(1, 4, 64)
@@ -157,7 +155,7 @@ def test_a_compiler_that_is_not_gcc_builds_the_one_thread_loops(tmp_path):
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'clang version 18.0.0'\n")
     fake.chmod(0o755)
-    why = cpu_view._threading(str(fake))
+    why = cbuild.threading_reason(str(fake))
     assert why is not None and "not GCC" in why
     assert cpu_view.status(torch.device("cpu"), torch.float32).startswith("compiled")
 
@@ -165,9 +163,8 @@ def test_a_compiler_that_is_not_gcc_builds_the_one_thread_loops(tmp_path):
 def test_a_failed_threaded_build_falls_back_to_one_thread(monkeypatch, tmp_path):
     """Where -fopenmp cannot build (no libgomp to link), the loops still build, on one thread, and say so."""
     monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
-    for name, value in (("_tried", False), ("_lib", None), ("_why", None), ("_one_thread", None),
-                        ("SHARED", "-fno-such-openmp-flag")):
-        monkeypatch.setattr(cpu_view, name, value)
-    monkeypatch.setattr(cpu_view, "_threading", lambda cc: None)
+    lib = cbuild.CLibrary(cpu_view.SOURCE, cpu_view._SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU view kernel")
+    lib.shared, lib.threading = "-fno-such-openmp-flag", lambda cc: None
+    monkeypatch.setattr(cpu_view, "LIB", lib)
     assert cpu_view.load() is not None and cpu_view.threads() == 1
     assert cpu_view.status(torch.device("cpu"), torch.float32).startswith("compiled, one thread: the -fopenmp build failed")
