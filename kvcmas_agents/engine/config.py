@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, InvalidRequestError
+from ..model.blocks import WEIGHTS
 from ..model.loader import DEFAULT_MODEL
 from ..model.logprobs import MAX_TOP_LOGPROBS
 from ..reuse import KVCMASConfig, ReuseOptions, StorageSpec, method_class
@@ -39,6 +40,10 @@ class EngineConfig:
         directory (safetensors + tokenizer), a path to a ``.gguf`` file, or "random:<shape>".
     device: "auto" (CUDA when present, else CPU), "cpu", "cuda", "cuda:N".
     dtype: None picks bf16 on CUDA and fp32 on CPU; else "float32", "bfloat16", "float16".
+    weights: "auto" (decode-sized products of a GGUF checkpoint read its Q4_1 / Q8_0 blocks, fp32 on
+        the CPU, where the compiled kernel builds; otherwise dense), "dense" (always the fp32 / dtype
+        tensors) or "blocks" (an error where they cannot serve). Blocks expand into exactly the dense
+        weights; only the order of each sum differs (docs/speed.md, "Weights").
     reuse: the default reuse mode of requests: "none", "prefix" (each agent's own exact prefix cache),
         "naive" (other agents' segment KV, realigned only), "kvcmas", or a baseline ("cacheblend",
         "kvcomm"). A request may pick another with ``ReuseOptions``.
@@ -60,6 +65,7 @@ class EngineConfig:
     model: str | None = None
     device: str = "auto"
     dtype: str | None = None
+    weights: str = "auto"
     reuse: str = "prefix"
     kv_budget_bytes: int = 2 * 1024**3
     block_size: int = 16
@@ -87,6 +93,8 @@ class EngineConfig:
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if self.dtype is not None and not isinstance(self.dtype, (str, torch.dtype)):
             raise ConfigError(f"dtype must be a name like 'float32' or None, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"weights must be one of {WEIGHTS}, got {self.weights!r}")
         if not isinstance(self.reuse, str):
             raise ConfigError(f"reuse must be a mode name, got {self.reuse!r}")
         method_class(self.reuse)              # ValueError names the modes

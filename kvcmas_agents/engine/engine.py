@@ -26,6 +26,7 @@ from ..chat.template import ChatFormatter, RenderedPrompt
 from ..chat.tools import TOOL_CALL_OPEN
 from ..errors import ConfigError, EngineClosedError, EngineError, InvalidRequestError, RequestTimeoutError
 from ..kernels import cpu_view
+from ..model.blocks import choose as choose_blocks
 from ..model.grammar import Grammars
 from ..model.llama import LlamaModel
 from ..model.loader import load_model
@@ -98,7 +99,9 @@ class Engine:
         self.args = loaded.args
         self.max_context = min(cfg.max_context or loaded.args.max_position_embeddings,
                                loaded.args.max_position_embeddings)
-        self.model = LlamaModel(loaded.args, loaded.weights, self.max_context)
+        blocks, self.weights = choose_blocks(cfg.weights, loaded.config.get("_name_or_path"), loaded.args,
+                                             loaded.weights)
+        self.model = LlamaModel(loaded.args, loaded.weights, self.max_context, blocks)
         self.device = self.model.device
         self.store = KVStore(loaded.args.num_layers, loaded.args.num_kv_heads, loaded.args.head_dim,
                              cfg.block_size, cfg.kv_budget_bytes, self.device, self.model.dtype)
@@ -316,6 +319,7 @@ class Engine:
                        "dtype": str(self.model.dtype).replace("torch.", ""), "reuse": self.config.reuse,
                        "num_threads": self.num_threads, "view_path": self.view_path,
                        "view_path_fallback": self.view_fallback, "attention_loops": self.attention_loops,
+                       "weights": self.weights,
                        "realign_refused": self.realign_refused,
                        "block_size": self.store.block_size, "max_context": self.max_context},
             "memory": {"kv_budget_bytes": self.config.kv_budget_bytes, "block_bytes": kv.block_bytes,

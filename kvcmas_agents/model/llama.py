@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from .args import ModelArgs
-from .rope import RotaryEmbedding, rotate
+from .blocks import BlockWeight, stacked
+from .rope import RotaryEmbedding, rotate, rotate_, signed_sin
 
 
 class AttentionBackend(Protocol):
@@ -32,10 +33,12 @@ CPU_MATMUL = True
 MATMUL_ROWS = 4
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | BlockWeight, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ w[out, in].T (+ b): F.linear, or on CPU in fp32 for a few rows the matrix-matrix
-    path. The result is contiguous either way: attention's fused kernels take the heads split off it, and
-    a transposed one sent prefill attention to PyTorch's slow path."""
+    path, or a block weight's own product. The result is contiguous either way: attention's fused kernels
+    take the heads split off it, and a transposed one sent prefill attention to PyTorch's slow path."""
+    if isinstance(w, BlockWeight):
+        return w(x, b)
     rows = x.shape[0] if x.dim() == 2 else 0
     if not (CPU_MATMUL and 1 <= rows <= MATMUL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32):
         return F.linear(x, w, b)
@@ -45,6 +48,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        # One op instead of six, bitwise equal to the lines below in fp32 (checked on 3,000 random rows).
+        return F.rms_norm(x, weight.shape, weight, eps)
     # Normalise in fp32 like the reference implementations, then cast back.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -54,30 +60,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class LlamaModel:
     """Functional Llama-family transformer. Weights use HF parameter names."""
 
-    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], max_positions: int):
+    def __init__(self, args: ModelArgs, weights: dict[str, torch.Tensor], max_positions: int,
+                 blocks: dict[str, BlockWeight] | None = None):
+        """``blocks``: weights by name kept in a GGUF's blocks too (``model.blocks``), used for the
+        decode-sized products they name; every weight stays in ``weights`` as well."""
         self.args = args
         self.w = weights
+        self._blocks = blocks or {}
         emb = weights["model.embed_tokens.weight"]
         self.device, self.dtype = emb.device, emb.dtype
         self.rope = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling,
                                     args.max_position_embeddings, max_positions, self.device, self.dtype)
         self.scale = args.head_dim ** -0.5
+        self._signed_sin = signed_sin(self.rope.sin)
+        self._rope_rows: tuple = (None, None, None, None)    # positions, cos, sin, signed sin of the last step
         self._layers = [self._layer_weights(i) for i in range(args.num_layers)]
+        self._lm_head = self._weight("lm_head.weight")
+        del self._blocks          # what the layers use is theirs now; the rest is let go
+        used = {id(w): w for lw in self._layers for w in lw.values() if isinstance(w, BlockWeight)}
+        if isinstance(self._lm_head, BlockWeight):
+            used[id(self._lm_head)] = self._lm_head
+        self.block_bytes = sum(w.block_bytes for w in used.values())
 
     def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
         g = self.w.get
-        return {
+        w = self._weight
+        lw = {
             "in_norm": self.w[p + "input_layernorm.weight"],
             "post_norm": self.w[p + "post_attention_layernorm.weight"],
-            "q": self.w[p + "self_attn.q_proj.weight"], "q_b": g(p + "self_attn.q_proj.bias"),
-            "k": self.w[p + "self_attn.k_proj.weight"], "k_b": g(p + "self_attn.k_proj.bias"),
-            "v": self.w[p + "self_attn.v_proj.weight"], "v_b": g(p + "self_attn.v_proj.bias"),
-            "o": self.w[p + "self_attn.o_proj.weight"], "o_b": g(p + "self_attn.o_proj.bias"),
-            "gate": self.w[p + "mlp.gate_proj.weight"],
-            "up": self.w[p + "mlp.up_proj.weight"],
-            "down": self.w[p + "mlp.down_proj.weight"],
+            "q": w(p + "self_attn.q_proj.weight"), "q_b": g(p + "self_attn.q_proj.bias"),
+            "k": w(p + "self_attn.k_proj.weight"), "k_b": g(p + "self_attn.k_proj.bias"),
+            "v": w(p + "self_attn.v_proj.weight"), "v_b": g(p + "self_attn.v_proj.bias"),
+            "o": w(p + "self_attn.o_proj.weight"), "o_b": g(p + "self_attn.o_proj.bias"),
+            "gate": w(p + "mlp.gate_proj.weight"),
+            "up": w(p + "mlp.up_proj.weight"),
+            "down": w(p + "mlp.down_proj.weight"),
         }
+        # Decode-sized steps make one call for q, k and v, and one for gate and up (fewer calls a step).
+        # Wider steps then use the parts' dense weights, so the parts' own blocks are let go.
+        for fused, names in (("qkv", ("q", "k", "v")), ("gate_up", ("gate", "up"))):
+            parts = [lw[n] for n in names]
+            if all(isinstance(x, BlockWeight) for x in parts):
+                lw[fused] = stacked(parts, [lw.get(n + "_b") for n in names])
+                if lw[fused] is not None:
+                    lw.update({n: x.dense for n, x in zip(names, parts)})
+        return lw
+
+    def _weight(self, name: str) -> torch.Tensor | BlockWeight:
+        return self._blocks.get(name) or self.w[name]
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.w["model.embed_tokens.weight"])
@@ -85,20 +116,42 @@ class LlamaModel:
     def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor):
         """Pre-norm and project hidden states h [T, hidden]; returns rotated q, k and plain v."""
         a, lw = self.args, self._layers[layer]
+        t = h.shape[0]
+        cos, sin, sin_signed = self._rope_of(positions)
+        fused = lw.get("qkv")
+        if fused is not None and fused.serves(h):
+            # Normed and projected in one call; q and k side by side in one fresh tensor, rotated together
+            # in place (bitwise as ``rotate``).
+            heads = a.num_heads + a.num_kv_heads
+            out = fused.product(h, lw["in_norm"], a.rms_norm_eps)
+            qk = rotate_(out[:, :heads * a.head_dim].view(t, heads, a.head_dim), cos, sin_signed)
+            q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
+            v = out[:, heads * a.head_dim:].view(t, a.num_kv_heads, a.head_dim)
+            return (q, k, v) if t == 1 else (q.contiguous(), k.contiguous(), v.contiguous())
         x = rms_norm(h, lw["in_norm"], a.rms_norm_eps)
-        t = x.shape[0]
         q = linear(x, lw["q"], lw["q_b"]).view(t, a.num_heads, a.head_dim)
         k = linear(x, lw["k"], lw["k_b"]).view(t, a.num_kv_heads, a.head_dim)
         v = linear(x, lw["v"], lw["v_b"]).view(t, a.num_kv_heads, a.head_dim)
-        cos, sin = self.rope.cos_sin(positions)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def _rope_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos, sin and signed sin rows [T, 1, D] of ``positions``, gathered once for all layers of a step."""
+        if self._rope_rows[0] is not positions:
+            cos, sin = self.rope.cos_sin(positions)
+            self._rope_rows = (positions, cos, sin, self._signed_sin[positions].unsqueeze(1))
+        return self._rope_rows[1:]
 
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP block."""
         lw = self._layers[layer]
         h = h + linear(attn_out.reshape(h.shape[0], -1), lw["o"], lw["o_b"])
-        x = rms_norm(h, lw["post_norm"], self.args.rms_norm_eps)
-        return h + linear(F.silu(linear(x, lw["gate"])) * linear(x, lw["up"]), lw["down"])
+        fused = lw.get("gate_up")
+        if fused is not None and fused.serves(h):
+            act = fused.product(h, lw["post_norm"], self.args.rms_norm_eps, glu=True)   # norm, gate, up, silu
+        else:
+            x = rms_norm(h, lw["post_norm"], self.args.rms_norm_eps)
+            act = F.silu(linear(x, lw["gate"])) * linear(x, lw["up"])
+        return h + linear(act, lw["down"])
 
     def layer(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv(layer, h, positions)
@@ -113,4 +166,4 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Project final hidden states to fp32 vocabulary logits."""
-        return linear(hidden, self.w["lm_head.weight"]).float()
+        return linear(hidden, self._lm_head).float()

@@ -1,0 +1,70 @@
+"""The compiled block products against torch on the weights the blocks define."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcmas_agents.kernels import cbuild, cpu_quant
+from kvcmas_agents.model.blocks import BlockWeight
+
+pytestmark = pytest.mark.skipif(cpu_quant.load() is None, reason=str(cpu_quant.unavailable()))
+
+
+def _weight(kind: str, n: int, k: int, seed: int) -> BlockWeight:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3).half()
+    if kind == "Q4_1":
+        qs = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        m = (-torch.rand(n, k // 32, generator=g) * 0.1).half()
+        return BlockWeight(kind, qs, d, m, None)
+    qs = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return BlockWeight(kind, qs, d, None, None)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("k", [64, 576, 1536])
+def test_products_match_the_expanded_weight(kind, rows, k):
+    w = _weight(kind, 96, k, rows + k)
+    x = torch.randn(rows, k)
+    want = x.double() @ w.expand().double().t()
+    got = w.product(x)
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_norm_and_glu_ride_along(kind, rows):
+    """norm: the rows RMS-normalized and scaled first; glu: silu(gate) * up of the stacked weight."""
+    w = _weight(kind, 2 * 80, 576, rows)
+    x, scale = torch.randn(rows, 576) * 3, torch.rand(576) + 0.5
+    normed = F.rms_norm(x, (576,), scale, 1e-5)
+    full = normed @ w.expand().t()
+    want = F.silu(full[:, :80]) * full[:, 80:]
+    got = w.product(x, scale, 1e-5, glu=True)
+    assert got.shape == (rows, 80)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    assert torch.allclose(w.product(x, scale, 1e-5), full, rtol=1e-4, atol=1e-5)
+
+
+def test_the_portable_loops_give_what_the_vectorized_ones_give(monkeypatch, tmp_path):
+    """The C loops a CPU without AVX-512 builds (forced here) compute the same products."""
+    w, x = _weight("Q4_1", 64, 576, 7), torch.randn(3, 576)
+    w8 = _weight("Q8_0", 64, 576, 8)
+    fast, fast8 = w.product(x), w8.product(x)
+    monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
+    portable = cbuild.CLibrary(cpu_quant.SOURCE, cpu_quant._SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU block kernel",
+                               extra_flags=("-DKVQ_PORTABLE",))
+    monkeypatch.setattr(cpu_quant, "LIB", portable)
+    assert not cpu_quant.vectorized()
+    assert torch.allclose(w.product(x), fast, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(w8.product(x), fast8, rtol=1e-5, atol=1e-5)
+
+
+def test_threads_split_features_without_changing_them(monkeypatch):
+    w, x = _weight("Q4_1", 200, 576, 3), torch.randn(2, 576)
+    two = w.product(x)
+    monkeypatch.setattr(cpu_quant.LIB, "threads", lambda: 1)
+    assert torch.equal(w.product(x), two)        # each feature is one thread's sum, in one order
