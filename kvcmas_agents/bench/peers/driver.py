@@ -183,6 +183,8 @@ def main(argv: list[str]) -> int:
     with MemorySampler() as mem:
         result = run_workflow(chat, trace)
     result.update(extra())
+    if result.get("ttft") == "n/a":         # a whole reply at once: no first token, so no decode rate either
+        result["later_ttft_s"] = result["decode_tok_s"] = None
     result["peak_rss_bytes"] = mem.peak
     print("RESULT " + json.dumps(result), flush=True)
     return 0
