@@ -7,12 +7,9 @@ mixed prefill/decode steps, runs them, samples, and posts events back.
 from __future__ import annotations
 
 import asyncio
-import itertools
-import math
 import queue
 import threading
 import time
-import uuid
 import weakref
 from functools import cached_property
 from typing import Any, AsyncIterator, Iterable
@@ -21,8 +18,7 @@ import torch
 
 from ..cache.kv_store import KVStore
 from ..cache.prefix_cache import PrefixCache
-from ..chat.detokenize import IncrementalDetokenizer
-from ..chat.template import ChatFormatter, RenderedPrompt
+from ..chat.template import ChatFormatter
 from ..chat.tools import TOOL_CALL_OPEN
 from ..errors import ConfigError, EngineClosedError, EngineError, InvalidRequestError, RequestTimeoutError
 from ..kernels import cpu_view
@@ -30,36 +26,22 @@ from ..model.blocks import choose as choose_blocks
 from ..model.grammar import Grammars
 from ..model.llama import LlamaModel
 from ..model.loader import load_model
-from ..model.sampling import make_generator
 from ..reuse import ReuseContext, ReuseMethod, ReuseOptions, method_class, names
 from ..reuse.realign import Realigner, refuses
 from ..reuse.segments import SegmentStore
 from ..reuse.views import choose_view_path
 from .config import EngineConfig, SamplingParams
-from .constraints import grammar_spec
 from .edges import EdgeOrder
+from .intake import Intake, is_number, side_request
+from .lifecycle import serve, stop_worker
 from .outputs import RequestOutput, StreamDelta
 from .request import Request
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sinks import LoopSink, ThreadSink
 from .stats import Counters
-from .tool_decision import TEXT_ANSWER, ToolDecision
-from .worker import ABORT, ADD, CLOSE, Worker
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _build_error(exc: BaseException) -> BaseException:
-    """The engine's own error for a failed build: bad values (ValueError from the loader, e.g. an unknown
-    dtype or a CUDA device on a CPU host) become ConfigError; ours and the rest pass as they are."""
-    if isinstance(exc, ValueError) and not isinstance(exc, (ConfigError, InvalidRequestError)):
-        err = ConfigError(str(exc))
-        err.__cause__ = exc
-        return err
-    return exc
+from .tool_decision import ToolDecision
+from .worker import ABORT, ADD, Worker
 
 
 class Engine:
@@ -81,14 +63,14 @@ class Engine:
         self._closed = False
         # The worker thread holds no reference to the engine once built, so an engine dropped without
         # close() is collected: the finalizer stops its worker (also at interpreter exit).
-        self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), threads, ready, built),
+        self._thread = threading.Thread(target=serve, args=(weakref.ref(self), threads, ready, built),
                                         name="kvcmas-engine", daemon=True)
         self._thread.start()
         ready.wait()
         if "error" in built:
             self._thread.join()
             raise built.pop("error")
-        self._stop = weakref.finalize(self, _stop_worker, self._inbox, self._thread)
+        self._stop = weakref.finalize(self, stop_worker, self._inbox, self._thread)
 
     def _build(self) -> None:
         """Load the model and build the engine's parts (on the worker thread, see ``_serve``)."""
@@ -121,7 +103,7 @@ class Engine:
                                                          a.head_dim, self.device, self.store.k.dtype)
         self.attention_loops = cpu_view.status(self.device, self.store.k.dtype)
         ctx = ReuseContext(self.model, self.store, prefix, self.segments, realigner, self.view_path,
-                           self._order.predecessors, self._order.successors, _side_request,
+                           self._order.predecessors, self._order.successors, side_request,
                            self.scheduler.reserve, self.scheduler.release, self.scheduler.take_blocks)
         for name in names():
             cls = method_class(name)
@@ -131,8 +113,9 @@ class Engine:
         self.stop_token_ids = self.formatter.stop_token_ids | set(loaded.args.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, loaded.args.vocab_size, self.stop_token_ids)
         self._tok_lock = threading.Lock()     # HF fast tokenizers are not safe to share across threads
-        self._ids = itertools.count()
         self.counters = Counters()
+        self.intake = Intake(cfg, loaded.args, self.formatter, self.tokenizer, self._tok_lock, self.grammars,
+                             self.scheduler, self.counters, self.max_context, self.device, self.realign_refused)
         self.worker = Worker(self.scheduler, self.methods, self.runner, self.store, self.tokenizer, self._tok_lock,
                              self.stop_token_ids, self.counters, self._inbox)
         self._order.learned = self.worker.handoffs
@@ -199,7 +182,7 @@ class Engine:
         timeout: seconds to wait for the whole request; past it the request is aborted (its KV freed) and
         RequestTimeoutError is raised. None waits as long as it takes.
         """
-        if timeout is not None and not (_is_number(timeout) and timeout > 0):
+        if timeout is not None and not (is_number(timeout) and timeout > 0):
             raise InvalidRequestError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         call = None
         if tool_decision is not None and tool_decision.applies(tools, tool_choice):
@@ -276,7 +259,7 @@ class Engine:
             return 0
         sink = ThreadSink() if wait else (lambda event: None)
         req = self._make_request(messages, agent, SamplingParams(max_tokens=1), tools, None,
-                                 f"declare-{agent}-{next(self._ids)}", sink)
+                                 f"declare-{agent}-{next(self.intake.ids)}", sink)
         segments = req.prompt.segments
         if not req.prompt.prefix_stable or segments[0].kind != "prefix" or segments[-1].kind != "suffix":
             return 0
@@ -365,54 +348,10 @@ class Engine:
                       reuse_options: ReuseOptions | None = None) -> Request:
         if self._closed:
             raise EngineClosedError("engine is closed")
-        if not isinstance(agent, str) or not agent:
-            raise InvalidRequestError("agent must be a non-empty string")
-        sampling = SamplingParams() if sampling is None else sampling
-        options = ReuseOptions() if reuse_options is None else reuse_options
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidRequestError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
-        if not isinstance(options, ReuseOptions):
-            raise InvalidRequestError(f"reuse_options must be a ReuseOptions or None, got {type(options).__name__}")
-        try:
-            sampling.validate()
-            sampling.check_vocab(self.args.vocab_size)
-            options.validate()
-        except InvalidRequestError:
-            raise
-        except (ValueError, TypeError) as exc:
-            raise InvalidRequestError(str(exc)) from exc
-        options = options.resolve(self.config)
-        if method_class(options.reuse).cross_agent and self.realign_refused:
-            options.reuse = "prefix"       # cannot realign this rope scaling; counted in stats
-            self.counters.add("realign_refusals")
-        with self._tok_lock:
-            prompt = self.formatter.render(messages, tools, tool_choice=tool_choice)
-            detok = IncrementalDetokenizer(self.tokenizer, sampling.stop, prompt.token_ids)
-        max_new = min(sampling.max_tokens, self.max_context - len(prompt.token_ids))
-        req = Request(request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}", agent=agent,
-                      prompt=prompt, sampling=sampling, max_new_tokens=max_new, detok=detok, sink=sink,
-                      generator=make_generator(sampling.seed, self.device) if sampling.temperature > 0 else None,
-                      options=options)
-        if tools:
-            req.tool_names = {t.get("function", t).get("name") for t in tools if isinstance(t, dict)}
-        spec = grammar_spec(sampling.response_format, tools, tool_choice)
-        if spec is not None:
-            if sampling.ignore_eos or sampling.forced_tokens is not None:
-                raise InvalidRequestError("constrained output (response_format or a forced tool_choice) cannot "
-                                          "be combined with ignore_eos or forced_tokens")
-            req.grammar = self.grammars.state(spec)
-        need = self.scheduler.blocks_for(req.max_total_tokens)
-        if need > self.store.num_blocks:
-            raise InvalidRequestError(
-                f"request needs {need} KV blocks ({len(prompt.token_ids)} prompt + {max_new} new tokens) but "
-                f"kv_budget_bytes={self.config.kv_budget_bytes} holds only {self.store.num_blocks}")
-        return req
+        return self.intake.make(messages, agent, sampling, tools, tool_choice, request_id, sink, reuse_options)
 
     def _decided(self, req: Request, call: bool | None) -> None:
-        """A reply the decision step made a text answer may not open a call (``TEXT_ANSWER``)."""
-        sampling = req.sampling
-        if call is False and req.grammar is None and not sampling.ignore_eos and sampling.forced_tokens is None:
-            req.grammar = self.grammars.state(TEXT_ANSWER)
+        self.intake.decided(req, call)
 
     def _submit(self, req: Request) -> None:
         if self._closed:
@@ -428,37 +367,3 @@ class Engine:
 
     async def __aexit__(self, *exc: Any) -> None:
         await self.aclose()
-
-
-# --- worker thread (module functions: the thread must not keep the engine alive) ---------------------
-def _serve(ref: "weakref.ref[Engine]", threads: int, ready: threading.Event, built: dict[str, BaseException]) -> None:
-    """The worker thread: builds the engine, then serves. All torch work stays on this one thread, so
-    the engine does not leave an OpenMP team behind on the caller's thread (EngineConfig.num_threads)."""
-    engine = ref()
-    try:
-        torch.set_num_threads(threads)
-        engine._build()
-        engine.num_threads = torch.get_num_threads()
-        worker = engine.worker
-    except BaseException as exc:        # re-raised by __init__ in the caller's thread
-        built["error"] = _build_error(exc)
-        return
-    finally:
-        del engine
-        ready.set()
-    worker.loop()
-
-
-def _stop_worker(inbox: "queue.Queue[tuple[str, Any]]", thread: threading.Thread) -> None:
-    """Close the worker and wait for it (close(), the engine's finalizer, or interpreter exit)."""
-    inbox.put((CLOSE, None))
-    if thread is not threading.current_thread():     # a finalizer run by the worker's own gc
-        thread.join()
-
-
-def _side_request(request_id: str, agent: str, prompt: RenderedPrompt, options: ReuseOptions,
-                  select_from: int | None = None) -> Request:
-    """A request the worker plans and prepares but never admits (work ahead of time)."""
-    return Request(request_id=request_id, agent=agent, prompt=prompt, sampling=SamplingParams(max_tokens=1),
-                   max_new_tokens=1, detok=None, sink=lambda event: None, options=options,
-                   select_from=select_from)
