@@ -79,32 +79,38 @@ def threading_reason(cc: str) -> str | None:
     return None
 
 
-def build(source: Path, target: Path, cc: str, flags: list[str]) -> None:
+def build(sources: tuple[Path, ...], target: Path, cc: str, flags: list[str]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:      # build aside, then rename: atomic
         out = Path(tmp) / target.name
-        done = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags, *map(str, sources), "-o", str(out), "-lm"], capture_output=True,
+                              text=True)
         if done.returncode:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(out, target)
 
 
-def built(source: Path, cc: str, flags: list[str]) -> Path:
-    """The library of ``source`` built with these flags, building it unless the cache has it."""
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + cpu().encode())
-    target = cache_dir() / f"{source.stem}-{key.hexdigest()[:12]}.so"
+def built(sources: tuple[Path, ...], cc: str, flags: list[str]) -> Path:
+    """The library of ``sources`` (and the headers beside them) built with these flags, building it unless
+    the cache has it."""
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in (*sources, *headers)) + " ".join(flags).encode()
+                         + cpu().encode())
+    target = cache_dir() / f"{sources[0].stem}-{key.hexdigest()[:12]}.so"
     if not target.exists():
-        build(source, target, cc, flags)
+        build(sources, target, cc, flags)
     return target
 
 
 class CLibrary:
-    """One C source, built and loaded on first use; ``signatures`` maps each function to its ctypes
-    argument types (all return void). ``disable_env`` names a variable that, when set, keeps it unloaded."""
+    """C sources built into one library and loaded on first use; ``signatures`` maps each function to its
+    ctypes argument types (all return void). ``disable_env`` names a variable that, when set, keeps it
+    unloaded."""
 
-    def __init__(self, source: Path, signatures: dict[str, list], disable_env: str, what: str,
+    def __init__(self, sources: Path | tuple[Path, ...], signatures: dict[str, list], disable_env: str, what: str,
                  extra_flags: tuple[str, ...] = ()):
-        self.source, self.signatures, self.disable_env, self.what = source, signatures, disable_env, what
+        self.sources = (sources,) if isinstance(sources, Path) else tuple(sources)
+        self.signatures, self.disable_env, self.what = signatures, disable_env, what
         self.extra_flags = list(extra_flags)
         self.shared = SHARED
         self.threading = threading_reason
@@ -130,11 +136,11 @@ class CLibrary:
             one = self.threading(cc)
             flags = [*FLAGS, *self.extra_flags]
             try:
-                target = built(self.source, cc, [*flags, SINGLE if one else self.shared])
+                target = built(self.sources, cc, [*flags, SINGLE if one else self.shared])
             except RuntimeError as exc:      # e.g. no libgomp to link against: one thread, still compiled
                 if one:
                     raise
-                one, target = f"the -fopenmp build failed: {exc}", built(self.source, cc, [*flags, SINGLE])
+                one, target = f"the -fopenmp build failed: {exc}", built(self.sources, cc, [*flags, SINGLE])
             before = gomp_paths()
             lib = ctypes.CDLL(str(target))
             if not one and gomp_paths() != before:       # a runtime of its own, not torch's

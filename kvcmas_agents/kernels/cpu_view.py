@@ -15,6 +15,7 @@ import torch
 from .cbuild import CLibrary
 
 SOURCE = Path(__file__).with_name("cpu_view.c")
+SOURCES = (SOURCE, SOURCE.with_name("cpu_view_lowrank.c"))      # and cpu_view.h beside them
 MAX_RANK = 256              # the C loops read one U row into a stack buffer of this size,
 MAX_ROWS = 64               # and blocks of rows' products with G * n <= MAX_ROWS query rows into others
 
@@ -29,7 +30,7 @@ _SIGNATURES = {
     "vd_view_attention": [_I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _F, _I, _P, _P, _I],
 }
 _KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
-LIB = CLibrary(SOURCE, _SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU view kernel")
+LIB = CLibrary(SOURCES, _SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU view kernel")
 
 
 def load() -> ctypes.CDLL | None:

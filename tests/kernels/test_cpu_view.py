@@ -92,7 +92,7 @@ def test_softmax_of_the_compiled_loops_is_exact_to_float_rounding():
 def test_without_a_compiler_the_torch_path_serves_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_view, "LIB", cbuild.CLibrary(cpu_view.SOURCE, cpu_view._SIGNATURES, "KVCMAS_NO_CPU_KERNEL",
+    monkeypatch.setattr(cpu_view, "LIB", cbuild.CLibrary(cpu_view.SOURCES, cpu_view._SIGNATURES, "KVCMAS_NO_CPU_KERNEL",
                                                          "CPU view kernel"))
     assert cpu_view.load() is None and "no-such-cc" in (cpu_view.unavailable() or "")
     pieces, view, k_cache, v_cache, realigner, n = _view("int8", 2, 64, 1, 3, False)
@@ -163,7 +163,7 @@ def test_a_compiler_that_is_not_gcc_builds_the_one_thread_loops(tmp_path):
 def test_a_failed_threaded_build_falls_back_to_one_thread(monkeypatch, tmp_path):
     """Where -fopenmp cannot build (no libgomp to link), the loops still build, on one thread, and say so."""
     monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
-    lib = cbuild.CLibrary(cpu_view.SOURCE, cpu_view._SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU view kernel")
+    lib = cbuild.CLibrary(cpu_view.SOURCES, cpu_view._SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU view kernel")
     lib.shared, lib.threading = "-fno-such-openmp-flag", lambda cc: None
     monkeypatch.setattr(cpu_view, "LIB", lib)
     assert cpu_view.load() is not None and cpu_view.threads() == 1
