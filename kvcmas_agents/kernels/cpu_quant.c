@@ -164,9 +164,10 @@ static inline void feature(const int R, int K, const float *x, const float *sx, 
 /* x [M, K] row-major; qs: Q4_1 [N, K/2] nibbles (element j of a block in the low nibble of byte j,
    element j + 16 in its high nibble) with d and mn [N, K/32] fp16 bits, or Q8_0 [N, K] int8 with d and
    mn NULL. K is a multiple of 32. norm: NULL, or [K] (rows are RMS-normalized with eps and scaled by it
-   first). glu: out [M, N/2] = silu(row n) * row(n + N/2), else out [M, N]. */
-void kq_matmul(int M, int N, int K, const float *x, const float *norm, float eps, const void *qs,
-               const uint16_t *d, const uint16_t *mn, int glu, float *out, int threads) {
+   first). glu: out [M, N/2] = silu(row n) * row(n + N/2), else out [M, N]. residual: NULL, or [M, out's
+   width] added to the result (it may be out itself). */
+static void matmul(int M, int N, int K, const float *x, const float *norm, float eps, const void *qs,
+                   const uint16_t *d, const uint16_t *mn, int glu, const float *residual, float *out, int threads) {
   float *xn = NULL;
   if (norm) {
     xn = malloc((size_t)M * K * sizeof(float));
@@ -203,9 +204,31 @@ void kq_matmul(int M, int N, int K, const float *x, const float *norm, float eps
         feature(R, K, xr, sr, qs, d, mn, n + features, b);
         for (int r = 0; r < R; r++) a[r] = a[r] / (1.0f + expf(-a[r])) * b[r];
       }
-      for (int r = 0; r < R; r++) out[(size_t)(r0 + r) * features + n] = a[r];
+      for (int r = 0; r < R; r++) {
+        const size_t at = (size_t)(r0 + r) * features + n;
+        out[at] = residual ? residual[at] + a[r] : a[r];
+      }
     }
   }
   free(xn);
   free(sx);
+}
+
+void kq_matmul(int M, int N, int K, const float *x, const float *norm, float eps, const void *qs,
+               const uint16_t *d, const uint16_t *mn, int glu, float *out, int threads) {
+  matmul(M, N, K, x, norm, eps, qs, d, mn, glu, NULL, out, threads);
+}
+
+/* A layer after its attention, in one call: out [M, K] = h + o . attn; then out += down . (silu(gate) *
+   up) of RMS-normalized out (norm, eps). attn [M, A]; the gate/up weight is [2 I, K], down [K, I]. Each
+   weight is (qs, d, mn) as for kq_matmul. */
+void kq_layer_tail(int M, int K, int A, int I, const float *h, const float *attn, const float *norm, float eps,
+                   const void *o_qs, const uint16_t *o_d, const uint16_t *o_mn,
+                   const void *gu_qs, const uint16_t *gu_d, const uint16_t *gu_mn,
+                   const void *dn_qs, const uint16_t *dn_d, const uint16_t *dn_mn, float *out, int threads) {
+  float *act = malloc((size_t)M * I * sizeof(float));
+  matmul(M, K, A, attn, NULL, 0.0f, o_qs, o_d, o_mn, 0, h, out, threads);
+  matmul(M, 2 * I, K, out, norm, eps, gu_qs, gu_d, gu_mn, 1, NULL, act, threads);
+  matmul(M, K, I, act, NULL, 0.0f, dn_qs, dn_d, dn_mn, 0, out, out, threads);
+  free(act);
 }

@@ -16,7 +16,8 @@ from .cbuild import CLibrary
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 BLOCK = 32                   # weights per block (both formats)
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {"kq_matmul": [_I, _I, _I, _P, _P, _F, _P, _P, _P, _I, _P, _I]}
+_SIGNATURES = {"kq_matmul": [_I, _I, _I, _P, _P, _F, _P, _P, _P, _I, _P, _I],
+               "kq_layer_tail": [_I, _I, _I, _I, _P, _P, _P, _F, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I]}
 LIB = CLibrary(SOURCE, _SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU block kernel")
 
 
@@ -50,4 +51,15 @@ def matmul(x: torch.Tensor, weight: tuple[int, int, int | None], features: int, 
     qs, d, m = weight
     load().kq_matmul(x.shape[0], features, x.shape[1], x.data_ptr(), None if norm is None else norm.data_ptr(),
                      eps, qs, d, m, glu, out.data_ptr(), LIB.threads())
+    return out
+
+
+def layer_tail(h: torch.Tensor, attn: torch.Tensor, norm: torch.Tensor, eps: float, o: tuple, gate_up: tuple,
+               down: tuple, intermediate: int) -> torch.Tensor:
+    """A layer after attention in one call: out = h + o . attn, then out + down . (silu(gate) * up) of
+    out RMS-normalized by ``norm``. h [M, K], attn [M, A] fp32; each weight as ``matmul``'s pointers."""
+    h, attn = h.contiguous(), attn.contiguous()
+    out = torch.empty_like(h)
+    load().kq_layer_tail(h.shape[0], h.shape[1], attn.shape[1], intermediate, h.data_ptr(), attn.data_ptr(),
+                         norm.data_ptr(), eps, *o, *gate_up, *down, out.data_ptr(), LIB.threads())
     return out

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_quant
 from .args import ModelArgs
 from .blocks import BlockWeight, stacked
 from .rope import RotaryEmbedding, rotate, rotate_, signed_sin
@@ -105,6 +106,9 @@ class LlamaModel:
                 lw[fused] = stacked(parts, [lw.get(n + "_b") for n in names])
                 if lw[fused] is not None:
                     lw.update({n: x.dense for n, x in zip(names, parts)})
+        if isinstance(lw["o"], BlockWeight) and lw["o_b"] is None and lw.get("gate_up") is not None \
+                and isinstance(lw["down"], BlockWeight):
+            lw["tail"] = (lw["o"]._ptrs, lw["gate_up"]._ptrs, lw["down"]._ptrs)
         return lw
 
     def _weight(self, name: str) -> torch.Tensor | BlockWeight:
@@ -144,7 +148,12 @@ class LlamaModel:
     def finish_layer(self, layer: int, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, and the SwiGLU MLP block."""
         lw = self._layers[layer]
-        h = h + linear(attn_out.reshape(h.shape[0], -1), lw["o"], lw["o_b"])
+        attn_out = attn_out.reshape(h.shape[0], -1)
+        tail = lw.get("tail")
+        if tail is not None and BlockWeight.serves(h):     # o, residual, norm, gate/up, silu, down, residual
+            return cpu_quant.layer_tail(h, attn_out, lw["post_norm"], self.args.rms_norm_eps, *tail,
+                                        self.args.intermediate_size)
+        h = h + linear(attn_out, lw["o"], lw["o_b"])
         fused = lw.get("gate_up")
         if fused is not None and fused.serves(h):
             act = fused.product(h, lw["post_norm"], self.args.rms_norm_eps, glu=True)   # norm, gate, up, silu
