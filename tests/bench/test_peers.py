@@ -10,18 +10,21 @@ from kvcmas_agents.bench.peers import cli
 def test_peers_runs_our_engine_and_reports_a_missing_peer(tmp_path):
     out = tmp_path / "peers"
     rc = cli.main(["--contexts", "120", "--agents", "2", "--rounds", "1", "--reply-tokens", "3",
-                   "--engines", "kvcmas-prefix", "llama.cpp", "--llama-python", str(tmp_path / "none"),
-                   "--out", str(out)])
+                   "--solo-tokens", "5", "--engines", "kvcmas-prefix", "kvcmas-prefix-dense", "llama.cpp",
+                   "--llama-python", str(tmp_path / "none"), "--out", str(out)])
     assert rc == 0
     results = json.loads((out / "peers.json").read_text())
     assert results["missing"] == ["llama.cpp"]
-    [run] = results["runs"]
+    run, dense = results["runs"]
     assert run["name"] == "kvcmas-prefix" and run["shared_tokens"] >= 120 and run["reuse_fallbacks"] == 0
+    assert run["weights"].startswith("blocks") and dense["weights"] == "dense: asked for"
+    assert run["solo_tok_s"] > 0 and dense["solo_tok_s"] > 0
     assert len(run["turns"]) == 2 and all(t["ttft_s"] > 0 and t["decode_s"] > 0 for t in run["turns"])
     assert run["wall_s"] >= sum(t["s"] for t in run["turns"]) and run["decode_tok_s"] > 0
     assert run["peak_rss_bytes"] > 100 * 2**20                # the model's weights at least
     text = (out / "peers.md").read_text()
     assert "Not installed (scripts/setup_peers.sh): llama.cpp." in text and "kvcmas reuse=prefix" in text
+    assert "kvcmas reuse=prefix, dense weights" in text and "solo decode tok/s" in text
 
 
 def test_a_trace_past_the_window_is_refused_before_any_run(tmp_path):

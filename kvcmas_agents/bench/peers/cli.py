@@ -22,6 +22,7 @@ from .report import markdown, plot
 
 DRIVER = Path(__file__).with_name("driver.py")
 OURS = ("kvcmas-none", "kvcmas-prefix", "kvcmas-kvcmas")
+DENSE = ("kvcmas-prefix-dense",)        # opt-in: prefix on the dense fp32 weights (weights="dense")
 ENGINES = OURS + ("llama.cpp", "vllm")
 AGENTS = (("planner", "You are the planner. Break the task into steps for the team."),
           ("coder", "You are the coder. Write the code the plan asks for."),
@@ -38,7 +39,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agents", type=int, default=4, choices=range(2, len(AGENTS) + 1))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--reply-tokens", type=int, default=64, help="greedy tokens every turn decodes")
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
+    parser.add_argument("--solo-tokens", type=int, default=128,
+                        help="after the workflow, one agent alone decodes this many tokens on a short prompt")
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + DENSE)
     parser.add_argument("--repeats", type=int, default=1, help="runs of every engine, interleaved")
     parser.add_argument("--llama-python", default=".venv-llama/bin/python",
                         help="interpreter with llama-cpp-python (scripts/setup_peers.sh llama)")
@@ -65,12 +68,13 @@ def build_trace(shared: int, args: argparse.Namespace, tokenizer, checkpoint: Pa
                          f"model's {n_ctx}; use fewer rounds, agents or reply tokens")
     return {"task": task, "shared_tokens": n, "agents": [list(a) for a in AGENTS[:args.agents]],
             "rounds": args.rounds, "reply_tokens": args.reply_tokens, "n_ctx": n_ctx,
+            "solo_tokens": args.solo_tokens,
             "threads": args.threads, "checkpoint": str(checkpoint), "gguf": str(gguf)}
 
 
 def interpreter(engine: str, args: argparse.Namespace) -> str | None:
     """The Python that runs ``engine``, or None when it is not installed."""
-    if engine in OURS:
+    if engine in OURS + DENSE:
         return sys.executable
     path = Path(args.llama_python if engine == "llama.cpp" else args.vllm_python)
     module = "llama_cpp" if engine == "llama.cpp" else "vllm"

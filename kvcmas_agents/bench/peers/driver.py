@@ -104,13 +104,28 @@ def run_workflow(chat: Chat, trace: dict) -> dict:
             "decode_tok_s": after_first / decode_s if decode_s > 0 else None}
 
 
+SOLO = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
+
+
+def solo_decode(chat: Chat, tokens: int) -> float | None:
+    """One agent alone on a short prompt: tok/s after the first of ``tokens`` greedy tokens (the decode
+    rate with the least context; None when the engine gives the whole reply at once)."""
+    t0, first, pieces = time.perf_counter(), None, 0
+    for _ in chat("solo", SOLO, tokens):
+        pieces += 1
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return (tokens - 1) / (end - first) if first is not None and pieces > 1 and end > first else None
+
+
 # --- the engines -------------------------------------------------------------------------------
-def kvcmas_chat(mode: str, trace: dict) -> tuple[Chat, Callable[[], dict]]:
+def kvcmas_chat(mode: str, trace: dict, weights: str = "auto") -> tuple[Chat, Callable[[], dict]]:
     import asyncio
 
     from kvcmas_agents import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(reuse=mode))
+    engine = Engine(EngineConfig(reuse=mode, weights=weights))
     names = [a for a, _ in trace["agents"]]
     if mode == "kvcmas" and trace.get("edges", True):         # what a registered LangGraph graph gives
         engine.set_edges(list(zip(names, names[1:] + names[:1])))
@@ -128,9 +143,11 @@ def kvcmas_chat(mode: str, trace: dict) -> tuple[Chat, Callable[[], dict]]:
                 yield delta.text
 
     def extra() -> dict:
-        counters = engine.stats()["counters"]
+        stats = engine.stats()
         engine.close()
-        return {"engine": f"kvcmas reuse={mode}", "reuse_fallbacks": counters["reuse_fallbacks"]}
+        dense = ", dense weights" if stats["engine"]["weights"].startswith("dense") else ""
+        return {"engine": f"kvcmas reuse={mode}{dense}", "weights": stats["engine"]["weights"],
+                "reuse_fallbacks": stats["counters"]["reuse_fallbacks"]}
     return chat, extra
 
 
@@ -171,7 +188,8 @@ def main(argv: list[str]) -> int:
     with open(path) as f:
         trace = json.load(f)
     if name.startswith("kvcmas-"):
-        chat, extra = kvcmas_chat(name.split("-", 1)[1], trace)
+        parts = name.split("-")
+        chat, extra = kvcmas_chat(parts[1], trace, "dense" if parts[-1] == "dense" else "auto")
     elif name == "llama.cpp":
         chat, extra = llama_chat(trace)
     elif name == "vllm":
@@ -182,9 +200,10 @@ def main(argv: list[str]) -> int:
         pass
     with MemorySampler() as mem:
         result = run_workflow(chat, trace)
+    result["solo_tok_s"] = solo_decode(chat, trace.get("solo_tokens", 128))
     result.update(extra())
     if result.get("ttft") == "n/a":         # a whole reply at once: no first token, so no decode rate either
-        result["later_ttft_s"] = result["decode_tok_s"] = None
+        result["later_ttft_s"] = result["decode_tok_s"] = result["solo_tok_s"] = None
     result["peak_rss_bytes"] = mem.peak
     print("RESULT " + json.dumps(result), flush=True)
     return 0

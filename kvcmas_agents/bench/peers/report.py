@@ -1,4 +1,4 @@
-"""The peer comparison's table and plot: wall time, later-turn TTFT, decode rate and peak memory by
+"""The peer comparison's table and plot: wall time, later-turn TTFT, decode rates and peak memory by
 engine and shared context, with ratios against the best peer measured in the same run."""
 from __future__ import annotations
 
@@ -42,15 +42,16 @@ def markdown(results: dict, command: str) -> str:
         peer_ttft = min((t for p in PEERS if p in rows and (t := _ttft(rows[p])) is not None), default=None)
         shared = rows[next(iter(rows))][0]["shared_tokens"]
         lines += ["", f"## Shared history {shared} tokens", "",
-                  "| engine | wall s | runs | later-turn TTFT s | decode tok/s | peak MiB | wall vs best peer | "
-                  "TTFT vs best peer |", "|---|---|---|---|---|---|---|---|"]
+                  "| engine | wall s | runs | later-turn TTFT s | decode tok/s | solo decode tok/s | peak MiB | "
+                  "wall vs best peer | TTFT vs best peer |", "|---|---|---|---|---|---|---|---|---|"]
         for name, runs in rows.items():
             wall, ttft, rate = _med(runs, "wall_s"), _ttft(runs), _med(runs, "decode_tok_s")
+            solo = _med(runs, "solo_tok_s")
             peak = _med(runs, "peak_rss_bytes")
             lines.append("| " + " | ".join([
                 runs[0].get("engine", name), f"{wall:.1f}", " / ".join(f"{r['wall_s']:.1f}" for r in runs),
                 f"{ttft:.2f}" if ttft is not None else "n/a", f"{rate:.0f}" if rate else "n/a",
-                f"{peak / 2**20:.0f}" if peak else "n/a",
+                f"{solo:.0f}" if solo else "n/a", f"{peak / 2**20:.0f}" if peak else "n/a",
                 f"{peer_wall / wall:.2f}x" if peer_wall else "-",
                 f"{peer_ttft / ttft:.2f}x" if peer_ttft and ttft else "-"]) + " |")
     return "\n".join(lines) + "\n"
