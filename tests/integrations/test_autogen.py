@@ -553,7 +553,9 @@ async def test_cancelled_create_aborts_engine_request(engine):
     aborted = engine.stats()["counters"]["aborted"]
     token = CancellationToken()
     task = asyncio.ensure_future(client.create(HELLO, cancellation_token=token))
-    await asyncio.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while engine.stats()["counters"]["num_running"] == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)        # cancelled once it runs, however fast the engine decodes
     token.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
