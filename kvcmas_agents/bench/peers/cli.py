@@ -22,7 +22,9 @@ from .report import markdown, plot
 
 DRIVER = Path(__file__).with_name("driver.py")
 OURS = ("kvcmas-none", "kvcmas-prefix", "kvcmas-kvcmas")
-DENSE = ("kvcmas-prefix-dense",)        # opt-in: prefix on the dense fp32 weights (weights="dense")
+# opt-in rows: prefix on the dense fp32 weights (weights="dense"); kvcmas writing each view into the
+# request's own blocks for its decode (decode_copy="auto": prefix's decode speed, more KV while it runs)
+EXTRA = ("kvcmas-prefix-dense", "kvcmas-kvcmas-copy")
 ENGINES = OURS + ("llama.cpp", "vllm")
 AGENTS = (("planner", "You are the planner. Break the task into steps for the team."),
           ("coder", "You are the coder. Write the code the plan asks for."),
@@ -41,7 +43,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reply-tokens", type=int, default=64, help="greedy tokens every turn decodes")
     parser.add_argument("--solo-tokens", type=int, default=128,
                         help="after the workflow, one agent alone decodes this many tokens on a short prompt")
-    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + DENSE)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES + EXTRA)
     parser.add_argument("--repeats", type=int, default=1, help="runs of every engine, interleaved")
     parser.add_argument("--llama-python", default=".venv-llama/bin/python",
                         help="interpreter with llama-cpp-python (scripts/setup_peers.sh llama)")
@@ -74,7 +76,7 @@ def build_trace(shared: int, args: argparse.Namespace, tokenizer, checkpoint: Pa
 
 def interpreter(engine: str, args: argparse.Namespace) -> str | None:
     """The Python that runs ``engine``, or None when it is not installed."""
-    if engine in OURS + DENSE:
+    if engine in OURS + EXTRA:
         return sys.executable
     path = Path(args.llama_python if engine == "llama.cpp" else args.vllm_python)
     module = "llama_cpp" if engine == "llama.cpp" else "vllm"

@@ -120,12 +120,13 @@ def solo_decode(chat: Chat, tokens: int) -> float | None:
 
 
 # --- the engines -------------------------------------------------------------------------------
-def kvcmas_chat(mode: str, trace: dict, weights: str = "auto") -> tuple[Chat, Callable[[], dict]]:
+def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callable[[], dict]]:
     import asyncio
 
-    from kvcmas_agents import Engine, EngineConfig, SamplingParams
+    from kvcmas_agents import Engine, EngineConfig, KVCMASConfig, SamplingParams
 
-    engine = Engine(EngineConfig(reuse=mode, weights=weights))
+    engine = Engine(EngineConfig(reuse=mode, weights="dense" if variant == "dense" else "auto",
+                                 kvcmas=KVCMASConfig(decode_copy="auto" if variant == "copy" else "off")))
     names = [a for a, _ in trace["agents"]]
     if mode == "kvcmas" and trace.get("edges", True):         # what a registered LangGraph graph gives
         engine.set_edges(list(zip(names, names[1:] + names[:1])))
@@ -145,8 +146,8 @@ def kvcmas_chat(mode: str, trace: dict, weights: str = "auto") -> tuple[Chat, Ca
     def extra() -> dict:
         stats = engine.stats()
         engine.close()
-        dense = ", dense weights" if stats["engine"]["weights"].startswith("dense") else ""
-        return {"engine": f"kvcmas reuse={mode}{dense}", "weights": stats["engine"]["weights"],
+        label = {"dense": ", dense weights", "copy": ", decode_copy=auto"}.get(variant, "")
+        return {"engine": f"kvcmas reuse={mode}{label}", "weights": stats["engine"]["weights"],
                 "reuse_fallbacks": stats["counters"]["reuse_fallbacks"]}
     return chat, extra
 
@@ -189,7 +190,7 @@ def main(argv: list[str]) -> int:
         trace = json.load(f)
     if name.startswith("kvcmas-"):
         parts = name.split("-")
-        chat, extra = kvcmas_chat(parts[1], trace, "dense" if parts[-1] == "dense" else "auto")
+        chat, extra = kvcmas_chat(parts[1], trace, parts[2] if len(parts) > 2 else "")
     elif name == "llama.cpp":
         chat, extra = llama_chat(trace)
     elif name == "vllm":
