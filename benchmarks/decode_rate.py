@@ -11,8 +11,8 @@ and GNU OpenMP then sleeps and wakes on every parallel region, which the view's 
 - ``prefix``: its own exact KV (the history prefilled under its own prefix);
 - ``kvcmas``: reading the corrected view, its correction codes unpacked once and kept for the decode
   (the compiled CPU loops of ``kernels.cpu_view`` where they built);
-- ``kvcmas-torch``: the same by torch ops alone (``views.compiled.COMPILED`` off);
-- ``kvcmas-unkept``: the same, unpacking the codes in every step (``views.layout.KEEP_CODES`` off);
+- ``kvcmas-torch``: the same by torch ops alone (``switches.compiled_views`` off);
+- ``kvcmas-unkept``: the same, unpacking the codes in every step (``switches.keep_codes`` off);
 - ``kvcmas-copy``: the view written into the request's own blocks first (``decode_copy="auto"``).
 
 Prints JSON: per variant, tok/s after the first token (per round and median), its median per-round
@@ -31,7 +31,7 @@ from benchmarks.turn_time import LATER, lead_history, prompt
 from kvcmas_agents import KVCMASConfig
 from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
 from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
-from kvcmas_agents.reuse.views import compiled, layout
+from kvcmas_agents.switches import SWITCHES
 
 VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-torch": ("kvcmas", {}),
             "kvcmas-unkept": ("kvcmas", {}),
@@ -67,11 +67,11 @@ async def run(rounds: int, tokens: int, variants: dict[str, tuple[str, dict]] = 
         for _ in range(rounds):
             for name, (mode, knobs) in variants.items():
                 engine = await _engine(mode, knobs, threads)
-                layout.KEEP_CODES, compiled.COMPILED = name != "kvcmas-unkept", name != "kvcmas-torch"
+                SWITCHES.keep_codes, SWITCHES.compiled_views = name != "kvcmas-unkept", name != "kvcmas-torch"
                 try:
                     rate, reused[name], mid = await _decode(engine, tokens)
                 finally:
-                    layout.KEEP_CODES = compiled.COMPILED = True
+                    SWITCHES.keep_codes = SWITCHES.compiled_views = True
                     await engine.aclose()
                 rates[name].append(rate)
                 kv = mid.get("reuse", {}).get("kvcmas", {})

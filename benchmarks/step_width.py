@@ -6,7 +6,7 @@ decode step (an ahead-of-time correction's, another agent's) would cost against 
 prefill chunk. Attention is left out (it depends on the context, not on the weights). Prints JSON: per
 width, the median ms of a forward of that many rows, ms per row, and ms each row adds to a one-row step,
 for the model's projections as the engine runs them and, beside them, through ``F.linear``
-(``llama.CPU_MATMUL`` off), widths interleaved.
+(``switches.cpu_matmul`` off), widths interleaved.
 
     python -m benchmarks.step_width [--widths 1 2 4 8 16 32 64 128] [--reps 7]
 """
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from kvcmas_agents.model import llama
+from kvcmas_agents.switches import SWITCHES
 from kvcmas_agents.model.llama import LlamaModel
 from kvcmas_agents.model.loader import load_model
 
@@ -56,15 +56,15 @@ def run(widths: list[int], reps: int, model_name: str | None = None) -> dict:
     loaded = load_model(model_name, device="cpu")
     model = LlamaModel(loaded.args, loaded.weights, MAX_POSITION)
     engine, plain = {}, {}
-    saved = llama.CPU_MATMUL
+    saved = SWITCHES.cpu_matmul
     try:
         for w in widths:
-            llama.CPU_MATMUL = saved
+            SWITCHES.cpu_matmul = saved
             engine[w] = forward_ms(model, w, reps)
-            llama.CPU_MATMUL = False
+            SWITCHES.cpu_matmul = False
             plain[w] = forward_ms(model, w, reps)
     finally:
-        llama.CPU_MATMUL = saved
+        SWITCHES.cpu_matmul = saved
     return {"model": loaded.name, "threads": torch.get_num_threads(), "reps": reps, "cpu_matmul": saved,
             "widths": _widths(engine), "widths_f_linear": _widths(plain),
             "f_linear_over_engine": {str(w): round(plain[w] / engine[w], 3) for w in widths}}

@@ -19,10 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent / "kvcmas_agents"
 PKG = "kvcmas_agents"
 
 # What each top-level part may import of the package (itself always allowed).
-BASE = {"errors", "timing"}          # leaf modules every part may use
+BASE = {"errors", "timing", "switches"}          # leaf modules every part may use
 ALLOWED = {
     "errors": set(),
     "timing": set(),
+    "switches": set(),
     "kernels": set(),
     "model": BASE | {"kernels"},        # the block products (kernels.cpu_quant)
     "cache": BASE,

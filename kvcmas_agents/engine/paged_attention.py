@@ -10,10 +10,10 @@ import torch
 from ..cache.kv_store import KVStore
 from ..kernels import cpu_view
 from ..model.attention import SMALL_QUERY, sdpa, ungroup
+from ..switches import SWITCHES
 
 # Few queries over plain paged KV on CPU in fp32 take the compiled loops (``kernels.cpu_view``: keys and
-# values read in place, no gather) where they built; off only to measure what they buy.
-PLAIN_LOOPS = True
+# values read in place, no gather) where they built (``switches.plain_loops``).
 
 
 @dataclass
@@ -37,7 +37,7 @@ class PagedAttention:
         kc, vc = self.store.k[layer], self.store.v[layer]
         if s.view is not None:
             return s.view.attend(q, s.q_positions, kc, vc, layer, self.scale)
-        if PLAIN_LOOPS and q.shape[0] <= SMALL_QUERY and cpu_view.usable(q, kc):
+        if SWITCHES.plain_loops and q.shape[0] <= SMALL_QUERY and cpu_view.usable(q, kc):
             return ungroup(cpu_view.attention(q, kc, vc, s.gather, self.scale), q.shape[0])
         return sdpa(q, kc.index_select(0, s.gather), vc.index_select(0, s.gather), self.scale)
 

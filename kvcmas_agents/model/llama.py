@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_quant
+from ..switches import SWITCHES
 from .args import ModelArgs
 from .blocks import BlockWeight, stacked
 from .rope import RotaryEmbedding, rotate, rotate_, signed_sin
@@ -29,8 +30,7 @@ class AttentionBackend(Protocol):
 # rows on it gained little or lost (0.8-1.1x, made contiguous), so wider products keep ``F.linear``.
 # One row takes that path as two (the row twice): a one-column product goes to the matrix-vector path,
 # as slow as ``F.linear``'s, and the second row costs nothing while the weights' reads bound the step
-# (a step's projections 1.9x faster; benchmarks/step_width.py, docs/speed.md). Off only to measure.
-CPU_MATMUL = True
+# (a step's projections 1.9x faster; benchmarks/step_width.py, docs/speed.md). ``switches.cpu_matmul``.
 MATMUL_ROWS = 4
 
 
@@ -41,7 +41,7 @@ def linear(x: torch.Tensor, w: torch.Tensor | BlockWeight, b: torch.Tensor | Non
     if isinstance(w, BlockWeight):
         return w(x, b)
     rows = x.shape[0] if x.dim() == 2 else 0
-    if not (CPU_MATMUL and 1 <= rows <= MATMUL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32):
+    if not (SWITCHES.cpu_matmul and 1 <= rows <= MATMUL_ROWS and x.device.type == "cpu" and x.dtype == torch.float32):
         return F.linear(x, w, b)
     xs = torch.cat([x, x]) if rows == 1 else x
     out = (w @ xs.t()).t()[:rows].contiguous()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from benchmarks.decode_rate import run
-from kvcmas_agents.reuse.views import compiled, layout
+from kvcmas_agents.switches import SWITCHES
 
 
 def test_each_way_of_decoding_is_reported_with_what_it_holds():
@@ -15,4 +15,4 @@ def test_each_way_of_decoding_is_reported_with_what_it_holds():
     # reading the view keeps unpacked codes; unpacking every step keeps none; the copy holds a history's blocks
     assert 0 < v["kvcmas"]["held_bytes_while_decoding"] < v["kvcmas-copy"]["held_bytes_while_decoding"]
     assert v["kvcmas-unkept"]["held_bytes_while_decoding"] == 0
-    assert layout.KEEP_CODES and compiled.COMPILED
+    assert SWITCHES.keep_codes and SWITCHES.compiled_views

@@ -13,8 +13,8 @@ def test_each_width_reports_its_time_per_row_and_what_a_row_adds_to_a_one_row_st
 
 
 def test_the_engine_path_and_f_linear_are_both_timed_and_the_switch_is_restored():
-    from kvcmas_agents.model import llama
+    from kvcmas_agents.switches import SWITCHES
     result = run([1, 2], reps=1)
-    assert llama.CPU_MATMUL is True and result["cpu_matmul"] is True
+    assert SWITCHES.cpu_matmul is True and result["cpu_matmul"] is True
     assert set(result["widths_f_linear"]) == set(result["widths"]) == {"1", "2"}
     assert all(r > 0 for r in result["f_linear_over_engine"].values())

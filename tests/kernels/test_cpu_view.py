@@ -117,12 +117,12 @@ def test_plain_paged_attention_by_the_loops_matches_sdpa(queries):
 async def test_the_engine_decodes_plain_kv_with_the_loops_and_says_so(monkeypatch):
     """Greedy decode through the loops gives the tokens torch's attention gives; stats name the loops."""
     from kvcmas_agents import Engine, EngineConfig, SamplingParams
-    from kvcmas_agents.engine import paged_attention
+    from kvcmas_agents.switches import SWITCHES
 
     messages = [{"role": "user", "content": "Count from one to ten, in words."}]
     tokens, loops = [], []
     for on in (True, False):
-        monkeypatch.setattr(paged_attention, "PLAIN_LOOPS", on)
+        monkeypatch.setattr(SWITCHES, "plain_loops", on)
         engine = Engine(EngineConfig(model=None, device="cpu", reuse="prefix", num_threads=1))
         try:
             out = await engine.generate(messages, sampling=SamplingParams(max_tokens=12, ignore_eos=True))

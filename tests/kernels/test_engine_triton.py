@@ -18,8 +18,8 @@ def prompt(agent: str, history: list[dict]) -> list[dict]:
 async def test_triton_and_gather_view_paths_agree(monkeypatch):
     # The gather path's decode keeps unpacked codes (state while it runs); compared without them, the two
     # paths hold the same memory.
-    from kvcmas_agents.reuse.views import layout
-    monkeypatch.setattr(layout, "KEEP_CODES", False)
+    from kvcmas_agents.switches import SWITCHES
+    monkeypatch.setattr(SWITCHES, "keep_codes", False)
     history = [{"role": "user", "content": TASK}, {"role": "user", "content": "[planner] 1. Read the file. 2. Sum."}]
     outs, peaks = [], []
     for path in ("gather", "triton"):

@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Mi
 from kvcmas_agents.engine.paged_attention import PagedAttention, SeqSlice
 from kvcmas_agents.cache.kv_store import KVStore
 from kvcmas_agents.model.loader import load_model
-from kvcmas_agents.model import llama
 from kvcmas_agents.model.llama import LlamaModel, linear
 from kvcmas_agents.model.args import ModelArgs
 
@@ -211,12 +210,10 @@ def test_cpu_projection_is_f_linear_and_its_heads_split_alike(rows, bias):
     out = linear(x, w, b)
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
     assert out.is_contiguous()          # heads split off it keep the layout attention's fused kernels take
-    old = llama.CPU_MATMUL
-    try:
-        llama.CPU_MATMUL = False
+    from kvcmas_agents import switches
+    with switches.off("cpu_matmul"):
         assert torch.equal(linear(x, w, b), ref)
-    finally:
-        llama.CPU_MATMUL = old
+    assert switches.SWITCHES.cpu_matmul
 
 
 # --------------------------------------------------------------------------- paged attention

@@ -110,7 +110,7 @@ SOLO = [{"role": "user", "content": "Write a long story about a dragon who learn
 def solo_decode(chat: Chat, tokens: int) -> float | None:
     """One agent alone on a short prompt: tok/s after the first of ``tokens`` greedy tokens (the decode
     rate with the least context; None when the engine gives the whole reply at once)."""
-    t0, first, pieces = time.perf_counter(), None, 0
+    first, pieces = None, 0
     for _ in chat("solo", SOLO, tokens):
         pieces += 1
         if first is None:

@@ -10,19 +10,18 @@ import torch
 
 from ...kernels import cpu_view
 from ...model.attention import group_queries, ungroup
+from ...switches import SWITCHES
 from ..storage.readers import Basis, Coeffs
-from . import layout
 from .layout import GatheredLayout, Stack
 
 
-# Few queries over a view on CPU in fp32 take the compiled loops (``kernels.cpu_view``) where they built;
-# off only to measure what they buy.
-COMPILED = True
+# Few queries over a view on CPU in fp32 take the compiled loops (``kernels.cpu_view``) where they built
+# (``switches.compiled_views``).
 
 
 def _compiled(q: torch.Tensor, view: GatheredLayout, k_cache: torch.Tensor) -> bool:
     """Whether the compiled CPU loops can serve this attention."""
-    if not (COMPILED and cpu_view.usable(q, k_cache)):
+    if not (SWITCHES.compiled_views and cpu_view.usable(q, k_cache)):
         return False
     if view.widest is None:
         view.widest = max([0] + [u.rank for st in view.stacks for g in st.groups for u in (g[0][0], g[2][0])])
@@ -116,7 +115,7 @@ def _compiled_coeffs(st: Stack, side: int, active: int, layer: int, keep: bool) 
     key = (side, active, layer)
     if key in st.compiled:
         return st.compiled[key]
-    kept = st.kept(side, active, layer) if keep and layout.KEEP_CODES else None
+    kept = st.kept(side, active, layer) if keep and SWITCHES.keep_codes else None
     if kept is None:
         u = Coeffs.joined(st.coeffs(side, active), layer, torch.float32)
         return cpu_view.Coeffs(u.transpose(1, 2).contiguous())

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ...kernels import cpu_view
+from ...switches import SWITCHES
 from ..storage.readers import Basis, Coeffs, KeptCodes
 
 
 Group = tuple[list[Coeffs], Basis, list[Coeffs], Basis]      # (U_k's, B_k, U_v's, B_v) sharing one basis
 
 
-# Whether views kept for a decode keep their unpacked codes (``Stack.coefficients``); off only to measure
-# what keeping them buys (benchmarks/decode_rate.py).
-KEEP_CODES = True
+# Whether views kept for a decode keep their unpacked codes (``Stack.coefficients``) is
+# ``switches.keep_codes`` (off only to measure what keeping them buys, benchmarks/decode_rate.py).
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Stack:
     def read_kept(self, side: int, groups: int, layer: int, dtype: torch.dtype, keep: bool) -> torch.Tensor | None:
         """U [KVH, R, r] of the leading ``groups`` groups of one side from their kept codes, for a view kept
         for its request (``keep``); None when not kept or the codes cannot be kept."""
-        kept = self.kept(side, groups, layer) if keep and KEEP_CODES else None
+        kept = self.kept(side, groups, layer) if keep and SWITCHES.keep_codes else None
         return kept.read(dtype) if kept is not None else None
 
     def kept(self, side: int, groups: int, layer: int) -> KeptCodes | None:
