@@ -50,6 +50,13 @@ static void rotate(float *out, const float *x, const float *cs, const float *sn,
     for (int t = half; t < d; t++) out[t] = x[t] * cs[t] + x[t - half] * sn[t];
 }
 
+/* Paged KV is read slot by slot through a table, in runs of a block's slots: a slot a few ahead is
+ * asked for early, since the hardware's prefetchers stop at each block's edge. */
+#define PREFETCH 4
+static inline void prefetch_row(const float *row, int n) {
+    for (int i = 0; i < n; i += 16) __builtin_prefetch(row + i);
+}
+
 /* The key loop of vd_scores; inlined with d a constant for the usual head sizes, so that the products
  * unroll into whole vectors with no remainder handling. */
 static inline __attribute__((always_inline)) void score_keys(int kvh, int gn, const int d, const float *kc,
@@ -58,6 +65,7 @@ static inline __attribute__((always_inline)) void score_keys(int kvh, int gn, co
                                                              float *scores) {
     for (int j = j0; j < j1; j++) {
         const float *k = kc + (size_t)slots[j] * kvh * d;
+        if (j + PREFETCH < j1) prefetch_row(kc + (size_t)slots[j + PREFETCH] * kvh * d, kvh * d);
         int c = key_class ? (int)key_class[j] : 0;
         for (int h = 0; h < kvh; h++)
             dots(scores + (size_t)h * gn * ctx + j, ctx, qr + ((size_t)c * kvh + h) * gn * d, k + (size_t)h * d, gn, d);
@@ -126,6 +134,7 @@ void vd_softmax_pv(int n, int kvh, int gn, int d, int ctx, float scale, float *s
         int j0 = (int)((long)ctx * tid / nt), j1 = (int)((long)ctx * (tid + 1) / nt);
         for (int j = j0; j < j1; j++) {
             const float *v = vc + (size_t)slots[j] * kvh * d;
+            if (j + PREFETCH < j1) prefetch_row(vc + (size_t)slots[j + PREFETCH] * kvh * d, kvh * d);
             for (int h = 0; h < kvh; h++) {
                 const float *vh = v + (size_t)h * d;
                 for (int x = 0; x < gn; x++) {
