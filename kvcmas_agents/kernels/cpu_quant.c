@@ -97,6 +97,20 @@ static inline float half(uint16_t h) {     /* IEEE binary16 bits to float, exact
   return sign ? -v : v;
 }
 
+/* acc[r] += w * x[r]'s block b, lane by lane; then each row's lanes summed into out[r]. */
+static inline void add_block(const int R, int K, const float *w, const float *x, int b, float acc[][BLOCK]) {
+  for (int r = 0; r < R; r++)
+    for (int j = 0; j < BLOCK; j++) acc[r][j] += w[j] * x[(size_t)r * K + b * BLOCK + j];
+}
+
+static inline void sum_rows(const int R, float acc[][BLOCK], float *out) {
+  for (int r = 0; r < R; r++) {
+    float s = 0.0f;
+    for (int j = 0; j < BLOCK; j++) s += acc[r][j];
+    out[r] = s;
+  }
+}
+
 static inline void q4_1_feature(const int R, int K, const float *x, const float *sx, const uint8_t *q,
                                 const uint16_t *d, const uint16_t *mn, float *out) {
   (void)sx;
@@ -109,14 +123,9 @@ static inline void q4_1_feature(const int R, int K, const float *x, const float 
       w[j] = db * (float)(q[b * 16 + j] & 15) + mb;
       w[j + 16] = db * (float)(q[b * 16 + j] >> 4) + mb;
     }
-    for (int r = 0; r < R; r++)
-      for (int j = 0; j < BLOCK; j++) acc[r][j] += w[j] * x[(size_t)r * K + b * BLOCK + j];
+    add_block(R, K, w, x, b, acc);
   }
-  for (int r = 0; r < R; r++) {
-    float s = 0.0f;
-    for (int j = 0; j < BLOCK; j++) s += acc[r][j];
-    out[r] = s;
-  }
+  sum_rows(R, acc, out);
 }
 
 static inline void q8_0_feature(const int R, int K, const float *x, const int8_t *q, const uint16_t *d,
@@ -127,14 +136,9 @@ static inline void q8_0_feature(const int R, int K, const float *x, const int8_t
     float w[BLOCK];
     const float db = half(d[b]);
     for (int j = 0; j < BLOCK; j++) w[j] = db * (float)q[b * BLOCK + j];
-    for (int r = 0; r < R; r++)
-      for (int j = 0; j < BLOCK; j++) acc[r][j] += w[j] * x[(size_t)r * K + b * BLOCK + j];
+    add_block(R, K, w, x, b, acc);
   }
-  for (int r = 0; r < R; r++) {
-    float s = 0.0f;
-    for (int j = 0; j < BLOCK; j++) s += acc[r][j];
-    out[r] = s;
-  }
+  sum_rows(R, acc, out);
 }
 #endif
 
