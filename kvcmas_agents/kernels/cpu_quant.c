@@ -26,6 +26,16 @@ int kq_vectorized(void) { return 1; }
 
 static inline float half(uint16_t h) { return _cvtsh_ss(h); }
 
+/* acc[r] += w . x[r]'s block b for the R rows: one block's weights, formed once, for every row. */
+static inline __attribute__((always_inline)) void add_rows(const int R, int K, const float *x, int b, __m512 w0,
+                                                           __m512 w1, __m512 acc[][2]) {
+  for (int r = 0; r < R; r++) {
+    const float *xr = x + (size_t)r * K + b * BLOCK;
+    acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
+    acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
+  }
+}
+
 /* Per block of 32: (d * q) . x for Q4_1 and Q8_0, with the Q4_1 minimum's part as m . sx, sx the row's
    sums over each block: d * q once a block for every row, then one multiply-add per row and 16 lanes.
    Scales are widened sixteen blocks at a time. */
@@ -49,12 +59,7 @@ static inline __attribute__((always_inline)) void q4_1_feature(const int R, int 
       const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(raw, low));
       const __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(raw, 4));
       const __m512 db = _mm512_set1_ps(ds[c]);
-      const __m512 w0 = _mm512_mul_ps(db, q0), w1 = _mm512_mul_ps(db, q1);   /* d * q: exact in fp32 */
-      for (int r = 0; r < R; r++) {
-        const float *xr = x + (size_t)r * K + b * BLOCK;
-        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
-      }
+      add_rows(R, K, x, b, _mm512_mul_ps(db, q0), _mm512_mul_ps(db, q1), acc);   /* d * q: exact in fp32 */
     }
   }
   for (int r = 0; r < R; r++)
@@ -75,12 +80,7 @@ static inline __attribute__((always_inline)) void q8_0_feature(const int R, int 
       const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * BLOCK))));
       const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + b * BLOCK + 16))));
       const __m512 db = _mm512_set1_ps(ds[c]);
-      const __m512 w0 = _mm512_mul_ps(db, q0), w1 = _mm512_mul_ps(db, q1);   /* d * q: exact in fp32 */
-      for (int r = 0; r < R; r++) {
-        const float *xr = x + (size_t)r * K + b * BLOCK;
-        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);
-      }
+      add_rows(R, K, x, b, _mm512_mul_ps(db, q0), _mm512_mul_ps(db, q1), acc);   /* d * q: exact in fp32 */
     }
   }
   for (int r = 0; r < R; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
