@@ -42,8 +42,11 @@ class EngineConfig:
     dtype: None picks bf16 on CUDA and fp32 on CPU; else "float32", "bfloat16", "float16".
     weights: "auto" (decode-sized products of a GGUF checkpoint read its Q4_1 / Q8_0 blocks, fp32 on
         the CPU, where the compiled kernel builds; otherwise dense), "dense" (always the fp32 / dtype
-        tensors) or "blocks" (an error where they cannot serve). Blocks expand into exactly the dense
-        weights; only the order of each sum differs (docs/speed.md, "Weights").
+        tensors), "blocks" (an error where they cannot serve) or "int8" (blocks, with each decode row
+        rounded to int8 a block of 32 and the sums in integers, as llama.cpp computes them: faster, and
+        no longer exact: a decode step's logits move by the rounding, and KV a decode step wrote differs
+        from a fresh prefill's). Blocks expand into exactly the dense weights; with fp32 rows only the
+        order of each sum differs (docs/speed.md, "Weights").
     reuse: the default reuse mode of requests: "none", "prefix" (each agent's own exact prefix cache),
         "naive" (other agents' segment KV, realigned only), "kvcmas", or a baseline ("cacheblend",
         "kvcomm"). A request may pick another with ``ReuseOptions``.

@@ -10,21 +10,15 @@
    of decode steps) read each weight block once. Output features are split across the OpenMP team.
    Two steps of a layer ride along, to save the ops around the product: ``norm`` (RMS-normalize each row
    and scale it by ``norm`` first) and ``glu`` (the weight is gate then up, N = 2 I: out [M, I] is
-   silu(gate) * up). */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define BLOCK 32
-#define ROWS 4
+   silu(gate) * up). With ``int8`` the rows are quantized to int8 a block first and the sums run in
+   integers (cpu_quant_int8.c), as llama.cpp's do. */
+#include "cpu_quant.h"
 
 #if defined(__AVX512F__) && defined(__F16C__) && !defined(KVQ_PORTABLE)
 #include <immintrin.h>
 
 int kq_vectorized(void) { return 1; }
 
-static inline float half(uint16_t h) { return _cvtsh_ss(h); }
 
 /* acc[r] += w . x[r]'s block b for the R rows: one block's weights, formed once, for every row. */
 static inline __attribute__((always_inline)) void add_rows(const int R, int K, const float *x, int b, __m512 w0,
@@ -90,14 +84,6 @@ static inline __attribute__((always_inline)) void q8_0_feature(const int R, int 
 
 int kq_vectorized(void) { return 0; }
 
-static inline float half(uint16_t h) {     /* IEEE binary16 bits to float, exactly */
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
-  float v;
-  if (exp == 0) v = ldexpf((float)man, -24);                         /* zero and subnormals */
-  else if (exp == 31) v = man ? NAN : INFINITY;
-  else v = ldexpf((float)(man | 1024), (int)exp - 25);
-  return sign ? -v : v;
-}
 
 /* acc[r] += w * x[r]'s block b, lane by lane; then each row's lanes summed into out[r]. */
 static inline void add_block(const int R, int K, const float *w, const float *x, int b, float acc[][BLOCK]) {
@@ -120,7 +106,7 @@ static inline void q4_1_feature(const int R, int K, const float *x, const float 
   memset(acc, 0, sizeof(acc));
   for (int b = 0; b < K / BLOCK; b++) {
     float w[BLOCK];
-    const float db = half(d[b]), mb = half(mn[b]);
+    const float db = kq_half(d[b]), mb = kq_half(mn[b]);
     for (int j = 0; j < 16; j++) {
       w[j] = db * (float)(q[b * 16 + j] & 15) + mb;
       w[j + 16] = db * (float)(q[b * 16 + j] >> 4) + mb;
@@ -136,7 +122,7 @@ static inline void q8_0_feature(const int R, int K, const float *x, const int8_t
   memset(acc, 0, sizeof(acc));
   for (int b = 0; b < K / BLOCK; b++) {
     float w[BLOCK];
-    const float db = half(d[b]);
+    const float db = kq_half(d[b]);
     for (int j = 0; j < BLOCK; j++) w[j] = db * (float)q[b * BLOCK + j];
     add_block(R, K, w, x, b, acc);
   }
@@ -173,7 +159,8 @@ static inline void feature(const int R, int K, const float *x, const float *sx, 
    first). glu: out [M, N/2] = silu(row n) * row(n + N/2), else out [M, N]. residual: NULL, or [M, out's
    width] added to the result (it may be out itself). */
 static void matmul(int M, int N, int K, const float *x, const float *norm, float eps, const void *qs,
-                   const uint16_t *d, const uint16_t *mn, int glu, const float *residual, float *out, int threads) {
+                   const uint16_t *d, const uint16_t *mn, int glu, int int8, const float *residual, float *out,
+                   int threads) {
   float *xn = NULL;
   if (norm) {
     xn = malloc((size_t)M * K * sizeof(float));
@@ -187,8 +174,11 @@ static void matmul(int M, int N, int K, const float *x, const float *norm, float
     x = xn;
   }
   const int features = glu ? N / 2 : N, nb = K / BLOCK;
+  int8 = int8 && K % 64 == 0;         /* the int8 loops take blocks in pairs */
+  kq_rows rows;
+  if (int8) kq_rows_prepare(M, K, x, mn != NULL, &rows);
   float *sx = NULL;                   /* each row's sum over each block, for the Q4_1 minimums */
-  if (mn) {
+  if (mn && !int8) {
     sx = malloc((size_t)M * nb * sizeof(float));
     for (int r = 0; r < M; r++)
       for (int b = 0; b < nb; b++) {
@@ -204,10 +194,12 @@ static void matmul(int M, int N, int K, const float *x, const float *norm, float
       const float *xr = x + (size_t)r0 * K;
       float a[ROWS];
       const float *sr = sx ? sx + (size_t)r0 * nb : NULL;
-      feature(R, K, xr, sr, qs, d, mn, n, a);
+      if (int8) kq_int8_feature(R, &rows, r0, qs, d, mn, n, a);
+      else feature(R, K, xr, sr, qs, d, mn, n, a);
       if (glu) {
         float b[ROWS];
-        feature(R, K, xr, sr, qs, d, mn, n + features, b);
+        if (int8) kq_int8_feature(R, &rows, r0, qs, d, mn, n + features, b);
+        else feature(R, K, xr, sr, qs, d, mn, n + features, b);
         for (int r = 0; r < R; r++) a[r] = a[r] / (1.0f + expf(-a[r])) * b[r];
       }
       for (int r = 0; r < R; r++) {
@@ -216,25 +208,27 @@ static void matmul(int M, int N, int K, const float *x, const float *norm, float
       }
     }
   }
+  if (int8) kq_rows_free(&rows);
   free(xn);
   free(sx);
 }
 
 void kq_matmul(int M, int N, int K, const float *x, const float *norm, float eps, const void *qs,
-               const uint16_t *d, const uint16_t *mn, int glu, float *out, int threads) {
-  matmul(M, N, K, x, norm, eps, qs, d, mn, glu, NULL, out, threads);
+               const uint16_t *d, const uint16_t *mn, int glu, int int8, float *out, int threads) {
+  matmul(M, N, K, x, norm, eps, qs, d, mn, glu, int8, NULL, out, threads);
 }
 
 /* A layer after its attention, in one call: out [M, K] = h + o . attn; then out += down . (silu(gate) *
    up) of RMS-normalized out (norm, eps). attn [M, A]; the gate/up weight is [2 I, K], down [K, I]. Each
-   weight is (qs, d, mn) as for kq_matmul. */
+   weight is (qs, d, mn) as for kq_matmul, and int8 as there. */
 void kq_layer_tail(int M, int K, int A, int I, const float *h, const float *attn, const float *norm, float eps,
                    const void *o_qs, const uint16_t *o_d, const uint16_t *o_mn,
                    const void *gu_qs, const uint16_t *gu_d, const uint16_t *gu_mn,
-                   const void *dn_qs, const uint16_t *dn_d, const uint16_t *dn_mn, float *out, int threads) {
+                   const void *dn_qs, const uint16_t *dn_d, const uint16_t *dn_mn, int int8, float *out,
+                   int threads) {
   float *act = malloc((size_t)M * I * sizeof(float));
-  matmul(M, K, A, attn, NULL, 0.0f, o_qs, o_d, o_mn, 0, h, out, threads);
-  matmul(M, 2 * I, K, out, norm, eps, gu_qs, gu_d, gu_mn, 1, NULL, act, threads);
-  matmul(M, K, I, act, NULL, 0.0f, dn_qs, dn_d, dn_mn, 0, out, out, threads);
+  matmul(M, K, A, attn, NULL, 0.0f, o_qs, o_d, o_mn, 0, int8, h, out, threads);
+  matmul(M, 2 * I, K, out, norm, eps, gu_qs, gu_d, gu_mn, 1, int8, NULL, act, threads);
+  matmul(M, K, I, act, NULL, 0.0f, dn_qs, dn_d, dn_mn, 0, int8, out, out, threads);
   free(act);
 }

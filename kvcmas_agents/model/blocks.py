@@ -32,7 +32,8 @@ _GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn
 class BlockWeight:
     """One [N, K] weight in blocks of 32 along K: ``qs`` (Q4_1: [N, K/2] uint8 nibbles; Q8_0: [N, K]
     int8), ``d`` and (Q4_1) ``m`` [N, K/32] fp16 as in the file, and ``dense``, the fp32 weight they
-    expand into (None for a stacked weight, whose parts keep theirs)."""
+    expand into (None for a stacked weight, whose parts keep theirs). With ``int8`` products quantize
+    their rows to int8 a block of 32 and sum in integers (``cpu_quant.matmul``)."""
 
     kind: str
     qs: torch.Tensor
@@ -40,6 +41,7 @@ class BlockWeight:
     m: torch.Tensor | None
     dense: torch.Tensor | None
     bias: torch.Tensor | None = None
+    int8: bool = False          # rows are quantized to int8 a block for the product (llama.cpp's way)
 
     @property
     def shape(self) -> torch.Size:
@@ -59,7 +61,7 @@ class BlockWeight:
                 glu: bool = False) -> torch.Tensor:
         """x [T, K] @ w.T (+ the weight's own bias) from the blocks; ``norm``: RMS-normalize x by these
         weights first; ``glu``: the weight is gate then up, and the result silu(gate) * up."""
-        out = cpu_quant.matmul(x, self._ptrs, self.qs.shape[0], norm, eps, glu)
+        out = cpu_quant.matmul(x, self._ptrs, self.qs.shape[0], norm, eps, glu, self.int8)
         return out if self.bias is None else out + self.bias
 
     def __post_init__(self) -> None:
@@ -91,7 +93,7 @@ def stacked(parts: list[BlockWeight], biases: list[torch.Tensor | None]) -> Bloc
         return None
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)
     return BlockWeight(parts[0].kind, cat([p.qs for p in parts]), cat([p.d for p in parts]), cat([p.m for p in parts]),
-                       None, cat(biases))
+                       None, cat(biases), parts[0].int8)
 
 
 def from_raw(kind: str, raw: torch.Tensor, dense: torch.Tensor) -> BlockWeight:
@@ -155,13 +157,14 @@ def read_blocks(gguf: Path, args: ModelArgs, weights: dict[str, torch.Tensor]
     return blocks, dense
 
 
-WEIGHTS = ("auto", "dense", "blocks")
+WEIGHTS = ("auto", "dense", "blocks", "int8")
 
 
 def choose(mode: str, gguf: str | None, args: ModelArgs, weights: dict[str, torch.Tensor]
            ) -> tuple[dict[str, BlockWeight], str]:
-    """The block weights ``mode`` asks for ("auto": where they can serve, "dense": none, "blocks": or
-    raise) and what serves the products, in words for ``Engine.stats``."""
+    """The block weights ``mode`` asks for and what serves the products, in words for ``Engine.stats``:
+    "dense": none; "blocks": fp32 rows times the blocks (or raise); "auto": the same where the blocks
+    can serve, else none; "int8": rows quantized to int8 a block, as llama.cpp's products do (or raise)."""
     if mode == "dense":
         return {}, "dense: asked for"
     why = None
@@ -179,12 +182,15 @@ def choose(mode: str, gguf: str | None, args: ModelArgs, weights: dict[str, torc
         blocks, _ = read_blocks(Path(gguf), args, weights)
         why = None if blocks else "no Q4_1 / Q8_0 tensor of the GGUF matches the checkpoint"
     if why is not None:
-        if mode == "blocks":
-            raise ValueError(f"weights='blocks' cannot serve this model: {why}")
+        if mode != "auto":
+            raise ValueError(f"weights={mode!r} cannot serve this model: {why}")
         return {}, f"dense: {why}"
+    int8 = mode == "int8"
     kinds: dict[str, int] = {}
     for name, w in blocks.items():
+        w.int8 = int8
         if name != "lm_head.weight" or w is not blocks.get("model.embed_tokens.weight"):
             kinds[w.kind] = kinds.get(w.kind, 0) + 1
-    loops = "" if cpu_quant.vectorized() else ", portable loops"
-    return blocks, "blocks (" + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + loops + ")"
+    loops = "" if (cpu_quant.int8_vectorized() if int8 else cpu_quant.vectorized()) else ", portable loops"
+    rows = "int8 rows" if int8 else "fp32 rows"
+    return blocks, "blocks (" + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + f", {rows}{loops})"

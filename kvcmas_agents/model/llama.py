@@ -152,7 +152,7 @@ class LlamaModel:
         tail = lw.get("tail")
         if tail is not None and BlockWeight.serves(h):     # o, residual, norm, gate/up, silu, down, residual
             return cpu_quant.layer_tail(h, attn_out, lw["post_norm"], self.args.rms_norm_eps, *tail,
-                                        self.args.intermediate_size)
+                                        self.args.intermediate_size, lw["down"].int8)
         h = h + linear(attn_out, lw["o"], lw["o_b"])
         fused = lw.get("gate_up")
         if fused is not None and fused.serves(h):

@@ -47,6 +47,25 @@ async def test_greedy_matches_transformers_generate(engine_none, hf_model, messa
     assert torch.allclose(out.logits[0], ref_logits, atol=1e-3, rtol=1e-4)
 
 
+async def test_int8_rows_move_the_logits_by_their_rounding_not_the_tokens(engine_none):
+    """``weights="int8"`` (decode rows rounded to int8 a block, as llama.cpp does) gives the default's
+    greedy tokens on a short reply; its first logits differ by the rounding (the last position's
+    vocabulary product is a decode-sized one)."""
+    from kvcmas_agents import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(reuse="none", weights="int8"))
+    try:
+        assert "int8 rows" in engine.stats()["engine"]["weights"]
+        sampling = SamplingParams(max_tokens=16, temperature=0.0, return_logits=True)
+        fast = await engine.generate(PROMPTS[2], agent="a", sampling=sampling)
+        exact = await engine_none.generate(PROMPTS[2], agent="a", sampling=sampling)
+    finally:
+        await engine.aclose()
+    assert fast.token_ids == exact.token_ids
+    spread = exact.logits[0].max() - exact.logits[0].min()
+    assert 0 < (fast.logits[0] - exact.logits[0]).abs().max() < 0.1 * spread
+
+
 async def test_prefix_reuse_second_turn_matches_exact(engine_none, engine_prefix):
     first = [{"role": "system", "content": "You are a planner for a small software team."},
              {"role": "user", "content": "Plan a command-line todo app in Python."}]
