@@ -72,6 +72,109 @@ static inline __attribute__((always_inline)) void score_keys(int kvh, int gn, co
     }
 }
 
+#if defined(__AVX512F__) && !defined(KVQ_PORTABLE)
+#include <immintrin.h>
+#define WIDE_LOOPS 1
+
+/* Sixteen vectors' lane sums as one vector (lane i: the sum of v[i]'s lanes), in 45 shuffles and adds
+ * where sixteen separate horizontal sums take about 130. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 r[8], s[4];
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int m = 0; m < 4; m++)
+        s[m] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * m], r[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(r[2 * m], r[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+static inline __m512 dot64(const float *q, const float *k) {
+    __m512 a = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(k + 16), a);
+    a = _mm512_fmadd_ps(_mm512_loadu_ps(q + 32), _mm512_loadu_ps(k + 32), a);
+    return _mm512_fmadd_ps(_mm512_loadu_ps(q + 48), _mm512_loadu_ps(k + 48), a);
+}
+
+/* score_keys for d = 64, sixteen keys at a time: each key's products stay a vector until one sum16
+ * turns the sixteen into their scores, stored as one vector. The keys' rows are read from L1 once per
+ * query row; the next sixteen are asked for while these are scored. */
+static void score_keys64(int kvh, int gn, const float *kc, int ctx, int j0, int j1, const int64_t *slots,
+                         const int64_t *key_class, const float *qr, float *scores) {
+    const int d = 64;
+    int j = j0;
+    for (; j + 16 <= j1; j += 16) {
+        const float *k[16];
+        for (int i = 0; i < 16; i++) k[i] = kc + (size_t)slots[j + i] * kvh * d;
+        for (int i = 0; j + 16 + i < j1 && i < 16; i++) prefetch_row(kc + (size_t)slots[j + 16 + i] * kvh * d, kvh * d);
+        for (int h = 0; h < kvh; h++)
+            for (int x = 0; x < gn; x++) {
+                __m512 p[16];
+                for (int i = 0; i < 16; i++) {
+                    int c = key_class ? (int)key_class[j + i] : 0;
+                    p[i] = dot64(qr + (((size_t)c * kvh + h) * gn + x) * d, k[i] + (size_t)h * d);
+                }
+                _mm512_storeu_ps(scores + ((size_t)h * gn + x) * ctx + j, sum16(p));
+            }
+    }
+    for (; j < j1; j++) {
+        const float *k = kc + (size_t)slots[j] * kvh * d;
+        int c = key_class ? (int)key_class[j] : 0;
+        for (int h = 0; h < kvh; h++)
+            dots(scores + (size_t)h * gn * ctx + j, ctx, qr + ((size_t)c * kvh + h) * gn * d, k + (size_t)h * d, gn, d);
+    }
+}
+
+/* out rows [x0, x0 + R) of head h, d = 64: sum over keys [j0, j1) of probs * v, the R rows' sums held in
+ * registers across the keys (each key's value row loaded once for them). */
+static inline __attribute__((always_inline)) void pv_rows64(const int R, int kvh, int gn, int ctx, int h, int x0,
+                                                            int j0, int j1, const float *probs, const float *vc,
+                                                            const int64_t *slots, float *o) {
+    const int d = 64;
+    __m512 acc[4][4];
+    for (int x = 0; x < R; x++)
+        for (int t = 0; t < 4; t++) acc[x][t] = _mm512_setzero_ps();
+    const float *pr = probs + ((size_t)h * gn + x0) * ctx;
+    for (int j = j0; j < j1; j++) {
+        const float *v = vc + (size_t)slots[j] * kvh * d + (size_t)h * d;
+        if (j + PREFETCH < j1) prefetch_row(vc + (size_t)slots[j + PREFETCH] * kvh * d + (size_t)h * d, d);
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+        for (int x = 0; x < R; x++) {
+            const __m512 w = _mm512_set1_ps(pr[(size_t)x * ctx + j]);
+            acc[x][0] = _mm512_fmadd_ps(w, v0, acc[x][0]);
+            acc[x][1] = _mm512_fmadd_ps(w, v1, acc[x][1]);
+            acc[x][2] = _mm512_fmadd_ps(w, v2, acc[x][2]);
+            acc[x][3] = _mm512_fmadd_ps(w, v3, acc[x][3]);
+        }
+    }
+    for (int x = 0; x < R; x++)
+        for (int t = 0; t < 4; t++) _mm512_storeu_ps(o + ((size_t)h * gn + x0 + x) * d + t * 16, acc[x][t]);
+}
+
+/* o [KVH, gn, 64] = probs . v over keys [j0, j1), head by head, rows four at a time. */
+static void pv64(int kvh, int gn, int ctx, int j0, int j1, const float *probs, const float *vc,
+                 const int64_t *slots, float *o) {
+    for (int h = 0; h < kvh; h++)
+        for (int x0 = 0; x0 < gn; x0 += 4) {
+            switch (gn - x0 < 4 ? gn - x0 : 4) {
+                case 1: pv_rows64(1, kvh, gn, ctx, h, x0, j0, j1, probs, vc, slots, o); break;
+                case 2: pv_rows64(2, kvh, gn, ctx, h, x0, j0, j1, probs, vc, slots, o); break;
+                case 3: pv_rows64(3, kvh, gn, ctx, h, x0, j0, j1, probs, vc, slots, o); break;
+                default: pv_rows64(4, kvh, gn, ctx, h, x0, j0, j1, probs, vc, slots, o); break;
+            }
+        }
+}
+#else
+#define WIDE_LOOPS 0
+#endif
+
+int vd_wide_loops(void) { return WIDE_LOOPS; }
+
 #define KEYS 256            /* keys per share of the scores among threads */
 
 /* qr [C, KVH, G*n, D] scratch; classes == 0 means no realignment (key_class and tables unused). */
@@ -93,9 +196,32 @@ void vd_scores(int n, int kvh, int g, int d, const float *q, const float *kc, in
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && blocks > 1)
     for (int b = 0; b < blocks; b++) {
         int j0 = b * KEYS, j1 = j0 + KEYS < ctx ? j0 + KEYS : ctx;
+#if WIDE_LOOPS
+        if (d == 64) score_keys64(kvh, gn, kc, ctx, j0, j1, slots, kcls, qr, scores);
+#else
         if (d == 64) score_keys(kvh, gn, 64, kc, ctx, j0, j1, slots, kcls, qr, scores);
+#endif
         else if (d == 128) score_keys(kvh, gn, 128, kc, ctx, j0, j1, slots, kcls, qr, scores);
         else score_keys(kvh, gn, d, kc, ctx, j0, j1, slots, kcls, qr, scores);
+    }
+}
+
+/* o [KVH, gn, d] = probs . v over keys [j0, j1), key by key. */
+static void pv(int kvh, int gn, int d, int ctx, int j0, int j1, const float *probs, const float *vc,
+               const int64_t *slots, float *o) {
+    memset(o, 0, sizeof(float) * (size_t)kvh * gn * d);
+    for (int j = j0; j < j1; j++) {
+        const float *v = vc + (size_t)slots[j] * kvh * d;
+        if (j + PREFETCH < j1) prefetch_row(vc + (size_t)slots[j + PREFETCH] * kvh * d, kvh * d);
+        for (int h = 0; h < kvh; h++) {
+            const float *vh = v + (size_t)h * d;
+            for (int x = 0; x < gn; x++) {
+                float w = probs[((size_t)h * gn + x) * ctx + j];
+                float *ox = o + ((size_t)h * gn + x) * d;
+#pragma omp simd
+                for (int t = 0; t < d; t++) ox[t] += w * vh[t];
+            }
+        }
     }
 }
 
@@ -130,21 +256,12 @@ void vd_softmax_pv(int n, int kvh, int gn, int d, int ctx, float scale, float *s
         int tid = omp_get_thread_num(), nt = omp_get_num_threads();
         if (tid == 0) used = nt;
         float *o = tid == 0 ? out : parts + size * (tid - 1);
-        memset(o, 0, sizeof(float) * size);
         int j0 = (int)((long)ctx * tid / nt), j1 = (int)((long)ctx * (tid + 1) / nt);
-        for (int j = j0; j < j1; j++) {
-            const float *v = vc + (size_t)slots[j] * kvh * d;
-            if (j + PREFETCH < j1) prefetch_row(vc + (size_t)slots[j + PREFETCH] * kvh * d, kvh * d);
-            for (int h = 0; h < kvh; h++) {
-                const float *vh = v + (size_t)h * d;
-                for (int x = 0; x < gn; x++) {
-                    float w = scores[((size_t)h * gn + x) * ctx + j];
-                    float *ox = o + ((size_t)h * gn + x) * d;
-#pragma omp simd
-                    for (int t = 0; t < d; t++) ox[t] += w * vh[t];
-                }
-            }
-        }
+#if WIDE_LOOPS
+        if (d == 64) pv64(kvh, gn, ctx, j0, j1, scores, vc, slots, o);
+        else
+#endif
+            pv(kvh, gn, d, ctx, j0, j1, scores, vc, slots, o);
     }
     for (int k = 1; k < used; k++)
         for (size_t i = 0; i < size; i++) out[i] += parts[size * (k - 1) + i];

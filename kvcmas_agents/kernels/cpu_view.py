@@ -28,6 +28,7 @@ _SIGNATURES = {
     "vd_basis_queries": [_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P],
     "vd_basis_values": [_I, _I, _I, _I, _I, _P, _I, _P, _P, _P],
     "vd_view_attention": [_I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _F, _I, _P, _P, _I],
+    "vd_wide_loops": [],
 }
 _KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
 LIB = CLibrary(SOURCES, _SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU view kernel")
@@ -49,6 +50,16 @@ def status(device: torch.device, dtype: torch.dtype) -> str:
     if load() is None:
         return f"torch: {unavailable()}"
     return f"compiled, one thread: {LIB.one_thread}" if LIB.one_thread else "compiled"
+
+
+def wide() -> bool:
+    """Whether scores and values of 64-wide heads run the AVX-512 loops (sixteen keys a sum, values'
+    sums in registers) rather than the portable ones."""
+    lib = load()
+    if lib is None:
+        return False
+    lib.vd_wide_loops.restype = ctypes.c_int
+    return bool(lib.vd_wide_loops())
 
 
 def threads() -> int:

@@ -114,6 +114,34 @@ def test_plain_paged_attention_by_the_loops_matches_sdpa(queries):
     assert torch.allclose(out, want, atol=2e-6), (out - want).abs().max()
 
 
+@pytest.mark.parametrize("queries,keys", [(1, 7), (1, 300), (3, 37), (2, 1000)])
+def test_the_wide_loops_give_what_the_portable_ones_give(monkeypatch, tmp_path, queries, keys):
+    """Scores sixteen keys a sum and values in registers (AVX-512, 64-wide heads) against the portable
+    loops (forced here), with and without realigned key classes, at key counts off a multiple of 16."""
+    if not cpu_view.wide():
+        pytest.skip("no AVX-512 here: the loops built are the portable ones")
+    g = torch.Generator().manual_seed(keys)
+    k_cache, v_cache = torch.randn(keys + 40, 3, 64, generator=g), torch.randn(keys + 40, 3, 64, generator=g)
+    slots = torch.randperm(keys + 40, generator=g)[:keys]
+    q = torch.randn(queries, 9, 64, generator=g)
+    key_class = torch.randint(0, 3, (keys,), generator=g)
+    cos, sin = torch.rand(3, 64, generator=g), torch.rand(3, 64, generator=g)
+
+    def both():
+        plain = cpu_view.attention(q, k_cache, v_cache, slots, 0.125)
+        moved = cpu_view.scores(q, k_cache, slots, key_class, cos, sin)
+        return plain, moved
+
+    fast = both()
+    monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
+    portable = cbuild.CLibrary(cpu_view.SOURCES, cpu_view._SIGNATURES, "KVCMAS_NO_CPU_KERNEL", "CPU view kernel",
+                               extra_flags=("-DKVQ_PORTABLE",))
+    monkeypatch.setattr(cpu_view, "LIB", portable)
+    assert not cpu_view.wide()
+    for got, want in zip(both(), fast):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
 async def test_the_engine_decodes_plain_kv_with_the_loops_and_says_so(monkeypatch):
     """Greedy decode through the loops gives the tokens torch's attention gives; stats name the loops."""
     from kvcmas_agents import Engine, EngineConfig, SamplingParams
