@@ -18,14 +18,14 @@ from .kv_store import KVStore
 
 
 class HomePacker:
-    def __init__(self, store: KVStore):
+    def __init__(self, store: KVStore, can_allocate: Callable[[], bool] | None = None):
         self.store = store
         self._open: int | None = None     # the pack block being filled
         self._used = 0                    # slots of it taken
         self._fresh: set[int] = set()    # pack blocks allocated during the current place()
         self.copied_tokens = 0
-        # Whether one more block may be taken now (the scheduler's promises to running requests).
-        self.can_allocate: Callable[[], bool] = lambda: store.num_available > 0
+        # Whether one more block may be taken now: by default one nothing was promised (to running requests).
+        self.can_allocate: Callable[[], bool] = can_allocate or (lambda: store.room > 0)
 
     def place(self, blocks: list[int], start: int, end: int) -> tuple[torch.Tensor, list[int]]:
         """Slots for positions [start, end) of a sequence with these blocks, and the blocks to hold

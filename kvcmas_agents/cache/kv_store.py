@@ -5,7 +5,8 @@ the prefix cache (kept until its space is needed, then evicted least recently us
 otherwise. Byte figures count active + cached blocks: that is the KV the engine really holds.
 
 State held outside blocks (corrections, anchors) is charged to the same budget in whole blocks
-(``charge_state``): active + cached + charged blocks never exceed the budget's blocks.
+(``charge_state``): active + cached + charged blocks never exceed the budget's blocks. Blocks promised
+for later (to admitted requests, ``promised``) are not taken by anyone else (``room``).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class KVStore:
     """Block-paged K and V tensors shaped [layers, num_blocks * block_size, kv_heads, head_dim]."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 budget_bytes: int, device: torch.device, dtype: torch.dtype):
+                 budget_bytes: int, device: torch.device, dtype: torch.dtype,
+                 on_evict: Callable[[int], None] | None = None):
         elem = torch.empty((), dtype=dtype).element_size()
         self.block_size = block_size
         self.block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * elem
@@ -65,13 +67,19 @@ class KVStore:
         self._active = 0
         self._peak = 0
         self.state_blocks = 0            # blocks' worth of the budget charged to state held outside blocks
-        self.on_evict: Callable[[int], None] | None = None   # set by the prefix cache
+        self.promised = 0                # blocks promised to admitted requests, not yet allocated (the scheduler's)
+        self.on_evict = on_evict         # told of each evicted cached block (the prefix cache's index)
 
     # --- allocation -------------------------------------------------------------------------
     @property
     def num_available(self) -> int:
         """Blocks a request could get now: free ones plus evictable cached ones, less the state's charge."""
         return max(self.num_blocks - self.state_blocks - self._active, 0)
+
+    @property
+    def room(self) -> int:
+        """Blocks free or evictable that nothing was promised."""
+        return self.num_available - self.promised
 
     def blocks_of(self, nbytes: int) -> int:
         """Whole blocks' worth of ``nbytes``."""

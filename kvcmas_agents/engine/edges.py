@@ -12,9 +12,9 @@ class EdgeOrder:
     """(predecessor, successor) pairs in registration order; replaced whole by ``set``. While none are
     registered, the learned hand-offs (``learned``, engine/handoffs.py) stand in."""
 
-    def __init__(self) -> None:
+    def __init__(self, learned: HandOffs | None = None) -> None:
         self.edges: list[tuple[str, str]] = []
-        self.learned: HandOffs | None = None
+        self.learned = learned
 
     def set(self, edges: Iterable[tuple[str, str]]) -> None:
         clean = []

@@ -1,8 +1,9 @@
 """The embedded engine: one per model per process, driven by a background worker thread.
 
 Callers on any event loop or thread submit requests and get awaitable streams. The worker
-(``worker.py``) owns all torch work: it admits requests, lets their reuse methods prepare them, plans
-mixed prefill/decode steps, runs them, samples, and posts events back.
+(``worker.py``) owns all torch work: each step it takes the inbox, has the scheduler admit, prepare and
+plan (``scheduler.py``), runs the model, samples, and posts events back. One KV budget (``budget.py``)
+covers blocks and the state reuse methods hold outside them.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any, AsyncIterator, Iterable
 import torch
 
 from ..cache.kv_store import KVStore
-from ..cache.prefix_cache import PrefixCache
+from ..cache.prefix_cache import PrefixCache, PrefixIndex
 from ..chat.template import ChatFormatter
 from ..chat.tools import TOOL_CALL_OPEN
 from ..errors import ConfigError, EngineClosedError, EngineError, InvalidRequestError, RequestTimeoutError
@@ -30,8 +31,10 @@ from ..reuse import ReuseContext, ReuseMethod, ReuseOptions, method_class, names
 from ..reuse.realign import Realigner, refuses
 from ..reuse.segments import SegmentStore
 from ..reuse.views import choose_view_path
+from .budget import KVBudget
 from .config import EngineConfig, SamplingParams
 from .edges import EdgeOrder
+from .handoffs import HandOffs
 from .intake import Intake, is_number, side_request
 from .lifecycle import serve, stop_worker
 from .outputs import RequestOutput, StreamDelta
@@ -58,7 +61,8 @@ class Engine:
         threads = self.config.num_threads or torch.get_num_threads()
         built: dict[str, BaseException] = {}
         ready = threading.Event()
-        self._order = EdgeOrder()
+        self._handoffs = HandOffs()          # learned by the worker, read by the edge order while none are set
+        self._order = EdgeOrder(self._handoffs)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._closed = False
         # The worker thread holds no reference to the engine once built, so an engine dropped without
@@ -85,17 +89,18 @@ class Engine:
                                              loaded.weights)
         self.model = LlamaModel(loaded.args, loaded.weights, self.max_context, blocks)
         self.device = self.model.device
+        index = PrefixIndex()           # told by the store of each cached block it evicts
         self.store = KVStore(loaded.args.num_layers, loaded.args.num_kv_heads, loaded.args.head_dim,
-                             cfg.block_size, cfg.kv_budget_bytes, self.device, self.model.dtype)
-        prefix = PrefixCache(self.store)
-        self.segments = SegmentStore(self.store)
-        self.segments.is_cached = prefix.is_cached
+                             cfg.block_size, cfg.kv_budget_bytes, self.device, self.model.dtype, index.forget)
+        prefix = PrefixCache(self.store, index)
+        self.segments = SegmentStore(self.store, prefix.is_cached)
+        # The reuse methods by name, filled below: they are built over the scheduler's services, and the
+        # scheduler and the budget read them through this mapping.
         methods: dict[str, ReuseMethod] = {}
         self.methods = methods
-        # Callbacks close over parts, never over the engine (see __init__).
-        scheduler = self.scheduler = Scheduler(cfg, self.store, prefix, lambda req: methods[req.options.reuse],
-                                               self.segments.evict_one)
-        self.segments.packer.can_allocate = lambda: scheduler.room > 0   # never a block promised to a request
+        self.counters = Counters()
+        self.budget = KVBudget(self.store, methods, self.segments.evict_one)
+        self.scheduler = Scheduler(cfg, self.store, prefix, methods, self.budget, self.counters)
         self.realign_refused = refuses(loaded.args.rope_scaling)
         realigner = Realigner.from_rope(self.model.rope)
         a = loaded.args
@@ -108,17 +113,17 @@ class Engine:
         for name in names():
             cls = method_class(name)
             self.methods[name] = cls(ctx, cls.settings_of(cfg))
+        # Callbacks close over parts, never over the engine (see __init__).
         self.runner = ModelRunner(self.model, self.store, lambda req, end: methods[req.options.reuse].view(req, end))
         self.formatter = ChatFormatter(self.tokenizer, self.max_context)
         self.stop_token_ids = self.formatter.stop_token_ids | set(loaded.args.eos_token_ids)
         self.grammars = Grammars(self.tokenizer, loaded.args.vocab_size, self.stop_token_ids)
         self._tok_lock = threading.Lock()     # HF fast tokenizers are not safe to share across threads
-        self.counters = Counters()
         self.intake = Intake(cfg, loaded.args, self.formatter, self.tokenizer, self._tok_lock, self.grammars,
                              self.scheduler, self.counters, self.max_context, self.device, self.realign_refused)
-        self.worker = Worker(self.scheduler, self.methods, self.runner, self.store, self.tokenizer, self._tok_lock,
+        self.worker = Worker(self.scheduler, self.budget, self._handoffs, self.runner, self.tokenizer, self._tok_lock,
                              self.stop_token_ids, self.counters, self._inbox)
-        self._order.learned = self.worker.handoffs
+        self.num_threads = torch.get_num_threads()     # (built on the worker thread, which set them)
 
     # --- public API ------------------------------------------------------------------------
     async def generate(self, messages: list[dict], agent: str = "default",
@@ -295,7 +300,7 @@ class Engine:
         """
         kv, home = self.store.stats(), self.segments.stats()
         counts, agents = self.counters.snapshot()
-        state = self.worker.state_bytes()
+        state = self.budget.state_bytes()
         home_bytes = len(self.segments.home_blocks) * kv.block_bytes
         return {
             "engine": {"model": self.model_name, "device": str(self.device),
@@ -311,8 +316,8 @@ class Engine:
                        "kv_bytes_active": kv.blocks_active * kv.block_bytes,
                        "kv_bytes_cached": kv.blocks_cached * kv.block_bytes, "kv_bytes_peak": kv.kv_bytes_peak,
                        "home_view_bytes": home_bytes, "state_bytes": state, "total_bytes": kv.kv_bytes + state,
-                       "total_bytes_peak": max(self.worker.peak_total, kv.kv_bytes + state),
-                       "state_over_budget_bytes": self.worker.state_over_budget},
+                       "total_bytes_peak": max(self.budget.peak_total, kv.kv_bytes + state),
+                       "state_over_budget_bytes": self.budget.state_over_budget},
             "counters": {**counts, "budget_fallbacks": self.scheduler.budget_fallbacks,
                          "num_running": len(self.scheduler.running),
                          "num_waiting": len(self.scheduler.waiting)},
@@ -321,13 +326,12 @@ class Engine:
                       **{name: st for name, m in self.methods.items() if (st := m.stats())}},
             "agents": agents,
             "edges": list(self.edges),
-            "learned_edges": list(self.worker.handoffs.edges),
+            "learned_edges": list(self._handoffs.edges),
         }
 
     def reset_peak(self) -> None:
         """Restart peak KV accounting from the current level (for benchmarks)."""
-        self.store.reset_peak()
-        self.worker.peak_total = 0
+        self.budget.reset_peak()
 
     async def aclose(self) -> None:
         """Stop the worker; pending requests fail with EngineClosedError."""

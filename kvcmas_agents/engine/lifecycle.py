@@ -30,7 +30,6 @@ def serve(ref: "weakref.ref[Any]", threads: int, ready: threading.Event, built: 
     try:
         torch.set_num_threads(threads)
         engine._build()
-        engine.num_threads = torch.get_num_threads()
         worker = engine.worker
     except BaseException as exc:        # re-raised by __init__ in the caller's thread
         built["error"] = build_error(exc)

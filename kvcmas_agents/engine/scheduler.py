@@ -1,22 +1,30 @@
-"""Admission, KV block bookkeeping and step planning (continuous batching with chunked prefill).
+"""Admission, preparation, KV block bookkeeping and step planning (continuous batching with chunked
+prefill), and when work off the critical path runs.
 
 Each step mixes one decode token per running request with prompt chunks, under a token budget.
 A request is admitted only when the blocks for its whole prompt and max_tokens can be promised,
-so decode never runs out of KV and nothing needs preemption.
+so decode never runs out of KV and nothing needs preemption. A request whose reuse fails (its plan,
+its correction) is served as an exact prefill instead; one that can never be served is handed back
+to the worker to fail (``take_failed``).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Mapping
 
 from ..cache.kv_store import KVStore
 from ..cache.prefix_cache import PrefixCache
 from ..errors import EngineError
 from ..reuse.base import ReuseMethod
+from .budget import KVBudget
 from .config import EngineConfig
 from .request import Request
+from .stats import Counters
+
+log = logging.getLogger("kvcmas_agents.engine")
 
 
 @dataclass
@@ -32,18 +40,21 @@ class StepItem:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, store: KVStore, prefix: PrefixCache,
-                 method_of: Callable[[Request], ReuseMethod], reclaim: Callable[[], bool] = lambda: False):
+                 methods: Mapping[str, ReuseMethod], budget: KVBudget, counters: Counters):
         self.config = config
         self.store = store
         self.prefix = prefix
-        self.method_of = method_of     # the reuse method serving a request
-        self.reclaim = reclaim         # frees budget (LRU state, then home views); False when nothing can go
+        self.methods = methods         # the reuse methods by name (filled by the engine once they are built)
+        self.budget = budget           # charges state, reclaims room (LRU state, then home views)
+        self.counters = counters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._promised = 0           # reserved-but-unallocated blocks over running requests
         self.budget_fallbacks = 0    # requests admitted as exact prefills because their reuse did not fit
-        self.reject: Callable[[Request, Exception], None] = lambda req, exc: None   # fails a request (the worker)
-        self.fell_back: Callable[[Request, Exception], None] = lambda req, exc: None   # its plan raised (the worker)
+        self._failed: list[tuple[Request, BaseException]] = []   # for the worker to fail (``take_failed``)
+
+    def method_of(self, req: Request) -> ReuseMethod:
+        """The reuse method serving a request."""
+        return self.methods[req.options.reuse]
 
     # --- lifecycle ---------------------------------------------------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -57,13 +68,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_failed(self) -> list[tuple[Request, BaseException]]:
+        """Requests that can never be served (e.g. too large for the budget with nothing else running),
+        with their errors, since the last call: removed from the queue, for the worker to fail."""
+        failed, self._failed = self._failed, []
+        return failed
+
     def admit(self) -> None:
         """Move waiting requests to running, FIFO, while their KV can be promised.
 
         A request that does not fit waits while others run (they free KV as they finish). With nothing
         running, waiting would never end: the views its plan reuses are pinned for it and may be what
         fills the budget. It is then planned again as an exact prefill, with every home view evictable;
-        if even that cannot fit, it fails (``reject``) instead of waiting forever."""
+        if even that cannot fit, it fails (``take_failed``) instead of waiting forever."""
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             self.plan(req)
@@ -77,9 +94,9 @@ class Scheduler:
                 if need > self.room:
                     self.waiting.popleft()
                     self._unplan(req)
-                    self.reject(req, EngineError(
+                    self._failed.append((req, EngineError(
                         f"request {req.request_id} needs {need} KV blocks but only {self.room} of "
-                        f"{self.store.num_blocks} can be freed with nothing else running"))
+                        f"{self.store.num_blocks} can be freed with nothing else running")))
                     continue
                 if req.fallback is None:          # (a request requeued by a failure counts there)
                     self.budget_fallbacks += 1
@@ -89,13 +106,13 @@ class Scheduler:
                 req.admitted_at = time.perf_counter()
                 req.timings.add("queue", req.admitted_at - req.arrival)
             req.reserved_blocks = need
-            self._promised += need
+            self.store.promised += need
             self.running.append(req)
 
     def _fit(self, req: Request) -> int:
         """Blocks the planned request still needs, after reclaiming budget (unread state, unpinned home views)."""
         need = self._own_blocks(req, req.max_total_tokens) - len(req.blocks)
-        while need > self.room and self.reclaim():
+        while need > self.room and self.budget.reclaim():
             pass
         return need
 
@@ -123,7 +140,7 @@ class Scheduler:
         if need > self.room:
             return False
         req.reserved_blocks += need
-        self._promised += need
+        self.store.promised += need
         self.ensure_blocks(req, num_tokens)
         return True
 
@@ -137,12 +154,12 @@ class Scheduler:
     @property
     def promised(self) -> int:
         """Blocks promised to running requests and not yet allocated."""
-        return self._promised
+        return self.store.promised
 
     @property
     def room(self) -> int:
         """Blocks free or evictable that no running request was promised."""
-        return self.store.num_available - self._promised
+        return self.store.room
 
     def _own_blocks(self, req: Request, num_tokens: int) -> int:
         """Blocks a request must own to hold num_tokens (reused spans need none)."""
@@ -159,7 +176,7 @@ class Scheduler:
             except Exception as exc:      # an optimization failed: the request is prefilled exactly
                 self._unplan(req)
                 req.exact_fallback = True
-                self.fell_back(req, exc)
+                self._record_fallback(req, "plan", exc)
 
     def finish(self, req: Request) -> None:
         """Release a request's KV (running or waiting); cached blocks stay indexed."""
@@ -176,13 +193,25 @@ class Scheduler:
                 self.store.decref(b, cached=self.prefix.is_cached(b))
         req.blocks = []
         self.method_of(req).release(req)
-        self._promised -= req.reserved_blocks
+        self.store.promised -= req.reserved_blocks
         req.reserved_blocks = 0
 
     # --- steps ---------------------------------------------------------------------------------
     def schedule(self) -> list[StepItem]:
-        """Plan one step: decodes first, then prompt chunks, within max_batch_tokens."""
+        """One step's work: admit waiting requests (after their agents' queued work), prepare the running
+        ones (at most one correction), charge the state that made to the budget, and plan the step."""
+        self._admitting()
         self.admit()
+        self._prepare_one()
+        self.budget.charge_state()
+        items = self._plan()
+        # Peak: this step's blocks and fresh corrections, before the step retires anything (a step only
+        # writes into blocks planned here; idle work samples its own).
+        self.budget.track_peak()
+        return items
+
+    def _plan(self) -> list[StepItem]:
+        """Decodes first, then prompt chunks, within max_batch_tokens; their blocks allocated."""
         budget = self.config.max_batch_tokens
         items: list[StepItem] = []
         for req in self.running:
@@ -210,9 +239,88 @@ class Scheduler:
                 continue
             req.blocks.append(self.store.allocate())
             req.reserved_blocks -= 1
-            self._promised -= 1
+            self.store.promised -= 1
 
     def committed(self, item: StepItem) -> None:
         """Record that the step's tokens now have KV, and tell the request's reuse method."""
         item.request.num_computed += item.num_tokens
         self.method_of(item.request).on_computed(item.request)
+
+    # --- preparation and fallbacks -------------------------------------------------------------
+    def _prepare_one(self) -> None:
+        """Let the reuse methods prepare the running requests whose own prefix is computed: at most one
+        with real work (a correction) per step, the oldest first, so concurrent requests keep prefilling
+        and decoding between corrections; requests with nothing to compute pass at once."""
+        busy = False
+        for req in list(self.running):
+            if req.finish_reason is None and req.needs_correction:
+                method = self.method_of(req)
+                work = method.pending(req)
+                if work and busy:
+                    continue
+                busy = busy or work
+                try:
+                    self.ensure_blocks(req, len(req.prompt_ids))
+                    with req.timings.phase("correct"):
+                        method.prepare(req)
+                    req.num_computed = req.reuse_end
+                except Exception as exc:
+                    error = self.fall_back(req, "correction", exc)
+                    if error is not None:
+                        self._failed.append((req, error))
+
+    def fall_back(self, req: Request, where: str, exc: BaseException) -> EngineError | None:
+        """A request whose reuse failed (its correction, or a step over its reused view) is served again as
+        an exact prefill of its prompt and of the tokens it already produced, which stay its output; the
+        failure is logged once and counted (``counters.reuse_fallbacks``), and its output says
+        ``reuse="none"`` and why (``RequestOutput.fallback``). A request with nothing to fall back from
+        (already exact, or aborted) is left as it is: the error to fail it with is returned."""
+        if req.exact_fallback or req.aborted:
+            return EngineError(f"{where} failed for {req.request_id}: {exc!r}")
+        self._record_fallback(req, where, exc)
+        self.requeue_exact(req)
+        return None
+
+    def _record_fallback(self, req: Request, where: str, exc: BaseException) -> None:
+        req.fallback = f"{where} failed: {exc!r}"
+        self.counters.add("reuse_fallbacks")
+        log.warning("kvcmas: %s's %s failed under reuse=%r; served as an exact prefill instead: %r",
+                    req.request_id, where, req.options.reuse, exc)
+
+    # --- work off the critical path (ahead-of-time corrections) ----------------------------------
+    def has_idle_work(self) -> bool:
+        return any(m.has_idle_work() for m in self.methods.values())
+
+    def _admitting(self) -> None:
+        """Work queued for the waiting requests' agents runs before they are admitted (e.g. their own
+        ahead-of-time corrections), so what they reuse does not depend on timing; they wait for it."""
+        waiting = list(self.waiting)
+        t0 = time.perf_counter()
+        for m in self.methods.values():
+            self._off_path(m, m.admitting, {r.agent for r in waiting})
+        dt = time.perf_counter() - t0
+        if dt > 1e-4:
+            for r in waiting:
+                r.timings.add("ahead", dt)
+
+    def idle(self) -> None:
+        """Work off the critical path runs only while nothing waits and nobody is prefilling (e.g.
+        during decode), so it never delays a first token; a decode step waits for one unit at most."""
+        if self.waiting or any(r.in_prefill for r in self.running):
+            return
+        for m in self.methods.values():
+            if m.has_idle_work():
+                self._off_path(m, m.idle, {r.agent for r in self.running})
+                self.budget.charge_state()
+                self.budget.track_peak()
+                return
+
+    def _off_path(self, method: ReuseMethod, work: Any, agents: set[str]) -> None:
+        """Work off the critical path (ahead-of-time corrections) is an optimization: when it raises, the
+        method's queued work is dropped (the requests correct inline) and counted, and the worker goes on."""
+        try:
+            work(agents)
+        except Exception as exc:
+            self.counters.add("idle_work_failed")
+            log.warning("kvcmas: %s's work ahead of time failed and was dropped: %r", method.name, exc)
+            method.drop_idle_work()

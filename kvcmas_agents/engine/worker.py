@@ -1,28 +1,27 @@
 """The engine's worker: one thread owns all torch work. Each step reads
 
-    admit -> the reuse method prepares (at most one correction) -> schedule -> run -> postprocess
+    take the inbox -> schedule (admit, prepare, plan: ``Scheduler.schedule``) -> run -> postprocess
 
-then, when nothing waits or prefills, one unit of idle work (ahead-of-time corrections). A failing
-step is retried request by request, so that only the culprit fails. No request fails because an
-optimization did: a request whose correction or reused view fails is served again as an exact prefill
-(``fall_back``), and failing work off the critical path is dropped.
+then, when nothing waits or prefills, one unit of idle work (ahead-of-time corrections,
+``Scheduler.idle``). A failing step is retried request by request, so that only the culprit fails. No
+request fails because an optimization did: a request whose correction or reused view fails is served
+again as an exact prefill (``Scheduler.fall_back``), and failing work off the critical path is dropped.
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
-from ..cache.kv_store import KVStore
 from ..chat.token_bytes import TokenTexts
 from ..chat.tools import parse_tool_calls
 from ..errors import EngineClosedError, EngineError
 from ..model.sampling import Sampler
 from ..reuse.base import ReuseMethod
+from .budget import KVBudget
 from .handoffs import HandOffs
 from .jump import jump_forward
 from .logprobs import Logprob, logprob_entry
@@ -34,56 +33,42 @@ from .stats import Counters
 
 ADD, ABORT, CLOSE = "add", "abort", "close"
 
-log = logging.getLogger("kvcmas_agents.engine")
-
 
 class Worker:
-    def __init__(self, scheduler: Scheduler, methods: Mapping[str, ReuseMethod], runner: ModelRunner,
-                 store: KVStore, tokenizer: Any, tok_lock: threading.Lock, stop_token_ids: set[int],
-                 counters: Counters, inbox: "queue.Queue[tuple[str, Any]]"):
-        self.scheduler, self.methods, self.runner, self.store = scheduler, methods, runner, store
+    def __init__(self, scheduler: Scheduler, budget: KVBudget, handoffs: HandOffs, runner: ModelRunner,
+                 tokenizer: Any, tok_lock: threading.Lock, stop_token_ids: set[int], counters: Counters,
+                 inbox: "queue.Queue[tuple[str, Any]]"):
+        self.scheduler, self.budget, self.handoffs, self.runner = scheduler, budget, handoffs, runner
         self.sampler = Sampler()
         self.token_texts = TokenTexts(tokenizer, tok_lock)
         self.tokenizer, self.tok_lock, self.stop_token_ids = tokenizer, tok_lock, stop_token_ids
         self.counters, self.inbox = counters, inbox
-        self.handoffs = HandOffs()
-        self.peak_total = 0
-        self.state_over_budget = 0       # most bytes of state that could not be charged (in use by requests)
-        scheduler.reject = self.fail
-        scheduler.fell_back = self.planned_exactly
-        self._reclaim_homes = scheduler.reclaim
-        scheduler.reclaim = self.reclaim
 
     def method(self, req: Request) -> ReuseMethod:
-        return self.methods[req.options.reuse]
+        return self.scheduler.method_of(req)
 
     # --- the loop ------------------------------------------------------------------------------
     def loop(self) -> None:
         sched = self.scheduler
         while True:
             try:
-                idle_work = any(m.has_idle_work() for m in self.methods.values())
-                if not self._drain_inbox(block=not (sched.has_work() or idle_work)):
+                if not self._take_inbox(block=not (sched.has_work() or sched.has_idle_work())):
                     break
-                self._admitting()
-                sched.admit()
-                self._prepare_one()
-                self.charge_state()
                 items = sched.schedule()
-                # Peak: this step's blocks and fresh corrections, before the step retires anything (a step
-                # only writes into blocks planned here; idle work samples its own).
-                self.track_peak()
+                self._fail_unservable()
                 if items:
-                    self._step(items)
-                    self.charge_state()          # what finished no longer pins its state
-                self._idle()
+                    self._postprocess(self._run(items))
+                    self.budget.charge_state()          # what finished no longer pins its state
+                sched.idle()
             except Exception as exc:     # a bug outside any one request: fail everything in flight
+                self._fail_unservable()
                 for req in list(sched.running) + list(sched.waiting):
                     self.fail(req, EngineError(f"engine step failed: {exc!r}"))
+        self._fail_unservable()
         for req in list(sched.running) + list(sched.waiting):
             self.fail(req, EngineClosedError("engine closed while the request was pending"))
 
-    def _drain_inbox(self, block: bool) -> bool:
+    def _take_inbox(self, block: bool) -> bool:
         """Apply queued commands; returns False on close."""
         try:
             cmd, arg = self.inbox.get(block=block)
@@ -104,126 +89,27 @@ class Worker:
             except queue.Empty:
                 return True
 
-    def _admitting(self) -> None:
-        """Work queued for the waiting requests' agents runs before they are admitted (e.g. their own
-        ahead-of-time corrections), so what they reuse does not depend on timing; they wait for it."""
-        waiting = list(self.scheduler.waiting)
-        t0 = time.perf_counter()
-        for m in self.methods.values():
-            self._off_path(m, m.admitting, {r.agent for r in waiting})
-        dt = time.perf_counter() - t0
-        if dt > 1e-4:
-            for r in waiting:
-                r.timings.add("ahead", dt)
-
-    def _prepare_one(self) -> None:
-        """Let the reuse methods prepare the running requests whose own prefix is computed: at most one
-        with real work (a correction) per step, the oldest first, so concurrent requests keep prefilling
-        and decoding between corrections; requests with nothing to compute pass at once."""
-        busy = False
-        for req in list(self.scheduler.running):
-            if req.finish_reason is None and req.needs_correction:
-                method = self.method(req)
-                work = method.pending(req)
-                if work and busy:
-                    continue
-                busy = busy or work
-                try:
-                    self.scheduler.ensure_blocks(req, len(req.prompt_ids))
-                    with req.timings.phase("correct"):
-                        method.prepare(req)
-                    req.num_computed = req.reuse_end
-                except Exception as exc:
-                    self.fall_back(req, "correction", exc)
-
-    def _idle(self) -> None:
-        """Work off the critical path runs only while nothing waits and nobody is prefilling (e.g.
-        during decode), so it never delays a first token; a decode step waits for one unit at most."""
-        sched = self.scheduler
-        if sched.waiting or any(r.in_prefill for r in sched.running):
-            return
-        for m in self.methods.values():
-            if m.has_idle_work():
-                self._off_path(m, m.idle, {r.agent for r in sched.running})
-                self.charge_state()
-                self.track_peak()
-                return
-
-    def _off_path(self, method: ReuseMethod, work: Any, agents: set[str]) -> None:
-        """Work off the critical path (ahead-of-time corrections) is an optimization: when it raises, the
-        method's queued work is dropped (the requests correct inline) and counted, and the worker goes on."""
-        try:
-            work(agents)
-        except Exception as exc:
-            self.counters.add("idle_work_failed")
-            log.warning("kvcmas: %s's work ahead of time failed and was dropped: %r", method.name, exc)
-            method.drop_idle_work()
-
-    def planned_exactly(self, req: Request, exc: BaseException) -> None:
-        """The request's reuse plan raised: it is admitted as an exact prefill instead (``Scheduler.plan``)."""
-        self._record_fallback(req, "plan", exc)
-
-    def _record_fallback(self, req: Request, where: str, exc: BaseException) -> None:
-        req.fallback = f"{where} failed: {exc!r}"
-        self.counters.add("reuse_fallbacks")
-        log.warning("kvcmas: %s's %s failed under reuse=%r; served as an exact prefill instead: %r",
-                    req.request_id, where, req.options.reuse, exc)
+    def _fail_unservable(self) -> None:
+        """Fail what the scheduler could never serve (e.g. larger than the budget with nothing else running)."""
+        for req, exc in self.scheduler.take_failed():
+            self.fail(req, exc)
 
     def fall_back(self, req: Request, where: str, exc: BaseException) -> None:
-        """A request whose reuse failed (its correction, or a step over its reused view) is served again as
-        an exact prefill of its prompt and of the tokens it already produced, which stay its output; the
-        failure is logged once and counted (``counters.reuse_fallbacks``), and its output says
-        ``reuse="none"`` and why (``RequestOutput.fallback``). A request with nothing to fall back from
-        (already exact) fails alone."""
+        """A request whose step failed is served again as an exact prefill (``Scheduler.fall_back``);
+        one with nothing to fall back from fails alone."""
         if req.finish_reason is not None:
             return
-        if req.exact_fallback or req.aborted:
-            return self.fail(req, EngineError(f"{where} failed for {req.request_id}: {exc!r}"))
-        self._record_fallback(req, where, exc)
-        self.scheduler.requeue_exact(req)
-
-    # --- one budget: blocks and the state held outside them ------------------------------------------
-    def state_bytes(self) -> int:
-        return sum(m.state_bytes() for m in self.methods.values())
-
-    def charge_state(self) -> None:
-        """Charge the state held outside blocks (corrections, anchors) to the KV budget: cached blocks are
-        evicted for it, and while it would take blocks promised to running requests, the least recently
-        used state is dropped. State that running requests read cannot go; what of it does not fit is
-        left uncharged and reported (``state_over_budget_bytes``)."""
-        store, sched = self.store, self.scheduler
-        while True:
-            state = self.state_bytes()
-            limit = store.num_blocks - store.stats().blocks_active - sched.promised
-            if store.blocks_of(state) <= limit or not self._shed_state():
-                break
-        charged = min(store.blocks_of(state), max(limit, 0))
-        store.charge_state(charged)
-        self.state_over_budget = max(self.state_over_budget, state - charged * store.block_bytes)
-
-    def _shed_state(self) -> bool:
-        return any(m.shed_state() for m in self.methods.values())
-
-    def reclaim(self) -> bool:
-        """Free budget for admission: drop the least recently used state (then re-charge it), else the least
-        recently used unpinned home view; False when neither can go."""
-        if self._shed_state():
-            self.charge_state()
-            return True
-        return self._reclaim_homes()
-
-    def track_peak(self) -> None:
-        total = self.store.stats().kv_bytes + self.state_bytes()
-        if total > self.peak_total:
-            self.peak_total = total
+        error = self.scheduler.fall_back(req, where, exc)
+        if error is not None:
+            self.fail(req, error)
 
     # --- one step ------------------------------------------------------------------------------
-    def _step(self, items: list[StepItem]) -> None:
+    def _run(self, items: list[StepItem]) -> list[tuple[list[StepItem], torch.Tensor]]:
+        """The step's forward: its items' logits, by group of items run together."""
         t0 = time.perf_counter()
         waiting_first = [it.request for it in items if it.request.first_token_at is None]
         try:
-            logits = self.runner.run(items)
-            results = [(items, logits)]
+            results = [(items, self.runner.run(items))]
         except Exception:
             # Isolate: rerun each request alone; rewriting the same KV slots is harmless.
             results = []
@@ -237,6 +123,10 @@ class Worker:
             req.timings.add("forward", dt)
         self.counters.add("steps")
         self.counters.raise_to("max_batch_seqs", len(items))
+        return results
+
+    def _postprocess(self, results: list[tuple[list[StepItem], torch.Tensor]]) -> None:
+        """Record the KV the step wrote, then sample the requests it brought to their next token."""
         for group, logits in results:
             sampling = [it.request for it in group if it.samples]   # decided before committing
             for item in group:

@@ -71,7 +71,7 @@ class SegmentStats:
 
 
 class SegmentStore:
-    def __init__(self, store: KVStore):
+    def __init__(self, store: KVStore, is_cached: Callable[[int], bool] = lambda block: False):
         self.store = store
         # By tokens; an agent's own homes by ("own", agent, start, context, tokens) (``register_own``).
         self._homes: OrderedDict[tuple, HomeView] = OrderedDict()
@@ -82,7 +82,7 @@ class SegmentStore:
         self._bytes: int | None = None           # correction_bytes, cached until the corrections change
         self._decoded: dict[tuple[int, ...], list[HomeView]] = {}    # first DECODE_KEY tokens -> homes
         self.evicted = 0
-        self.is_cached: Callable[[int], bool] = lambda block: False   # prefix-cache membership
+        self.is_cached = is_cached               # prefix-cache membership (released blocks stay cached)
         self.packer = HomePacker(store)          # partial blocks' tokens are packed (cache/home_pack.py)
 
     def lookup(self, tokens: tuple[int, ...], before: float = float("inf")) -> HomeView | None:

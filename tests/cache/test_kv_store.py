@@ -11,10 +11,12 @@ LAYERS, KVH, HD, BS = 2, 2, 4, 4
 BLOCK_BYTES = 2 * LAYERS * BS * KVH * HD * 4          # fp32
 
 
-def make_store(num_blocks: int = 4, dtype: torch.dtype = torch.float32, extra_bytes: int = 0) -> KVStore:
+def make_store(num_blocks: int = 4, dtype: torch.dtype = torch.float32, extra_bytes: int = 0,
+               on_evict=None) -> KVStore:
     elem = torch.empty((), dtype=dtype).element_size()
     block_bytes = 2 * LAYERS * BS * KVH * HD * elem
-    return KVStore(LAYERS, KVH, HD, BS, num_blocks * block_bytes + extra_bytes, torch.device("cpu"), dtype)
+    return KVStore(LAYERS, KVH, HD, BS, num_blocks * block_bytes + extra_bytes, torch.device("cpu"), dtype,
+                   on_evict)
 
 
 def state(store: KVStore) -> tuple[int, int, int]:
@@ -80,9 +82,8 @@ def test_uncache_ignores_active_blocks():
 
 
 def test_free_blocks_are_used_before_evicting_cached_ones():
-    store = make_store(3)
     evicted: list[int] = []
-    store.on_evict = evicted.append
+    store = make_store(3, on_evict=evicted.append)
     a = store.allocate()
     store.decref(a, cached=True)
     b, c = store.allocate(), store.allocate()
@@ -91,9 +92,8 @@ def test_free_blocks_are_used_before_evicting_cached_ones():
 
 
 def test_lru_eviction_order_and_callback():
-    store = make_store(4)
     evicted: list[int] = []
-    store.on_evict = evicted.append
+    store = make_store(4, on_evict=evicted.append)
     blocks = [store.allocate() for _ in range(4)]
     for blk in blocks:                            # cached in order 0, 1, 2, 3 (0 least recent)
         store.decref(blk, cached=True)

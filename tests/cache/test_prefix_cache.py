@@ -4,15 +4,16 @@ from __future__ import annotations
 import torch
 
 from kvcmas_agents.cache.kv_store import KVStore
-from kvcmas_agents.cache.prefix_cache import PrefixCache
+from kvcmas_agents.cache.prefix_cache import PrefixCache, PrefixIndex
 
 BS = 4
 
 
 def make(num_blocks: int = 8) -> tuple[KVStore, PrefixCache]:
     block_bytes = 2 * 1 * BS * 1 * 2 * 4
-    store = KVStore(1, 1, 2, BS, num_blocks * block_bytes, torch.device("cpu"), torch.float32)
-    return store, PrefixCache(store)
+    index = PrefixIndex()
+    store = KVStore(1, 1, 2, BS, num_blocks * block_bytes, torch.device("cpu"), torch.float32, index.forget)
+    return store, PrefixCache(store, index)
 
 
 def computed_sequence(store: KVStore, cache: PrefixCache, ns: str, ids: list[int],

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 from kvcmas_agents.cache.kv_store import KVStore
-from kvcmas_agents.cache.prefix_cache import PrefixCache
+from kvcmas_agents.cache.prefix_cache import PrefixCache, PrefixIndex
 from kvcmas_agents.chat.template import RenderedPrompt, Segment
+from kvcmas_agents.engine.budget import KVBudget
 from kvcmas_agents.engine.config import EngineConfig, SamplingParams
 from kvcmas_agents.engine.request import Request
 from kvcmas_agents.engine.scheduler import Scheduler, StepItem
+from kvcmas_agents.engine.stats import Counters
 from kvcmas_agents.errors import EngineError
 from kvcmas_agents.reuse import ReuseContext, method_class
 
@@ -26,15 +28,18 @@ _ids = itertools.count()
 def make_sched(num_blocks: int = 16, reuse: str = "prefix", max_batch_tokens: int = 64,
                max_num_seqs: int = 8) -> Scheduler:
     block_bytes = 2 * 1 * BS * 1 * 2 * 4
-    store = KVStore(1, 1, 2, BS, num_blocks * block_bytes, torch.device("cpu"), torch.float32)
+    index = PrefixIndex()
+    store = KVStore(1, 1, 2, BS, num_blocks * block_bytes, torch.device("cpu"), torch.float32, index.forget)
     assert store.num_blocks == num_blocks
     cfg = EngineConfig(reuse=reuse, block_size=BS, max_batch_tokens=max_batch_tokens,
                        max_num_seqs=max_num_seqs, kv_budget_bytes=num_blocks * block_bytes)
-    prefix = PrefixCache(store)
+    prefix = PrefixCache(store, index)
     # The exact modes need no model: only the store and the prefix cache.
     ctx = ReuseContext(None, store, prefix, None, None, "gather", lambda a: [], lambda a: [], None, None, None)
     methods = {name: method_class(name)(ctx) for name in ("none", "prefix")}
-    return Scheduler(cfg, store, prefix, lambda req: methods[req.options.reuse or cfg.reuse])
+    methods[None] = methods[cfg.reuse]        # requests never added (side requests) keep unresolved options
+    budget = KVBudget(store, methods, lambda: False)
+    return Scheduler(cfg, store, prefix, methods, budget, Counters())
 
 
 def make_req(tokens: list[int], max_new: int = 4, agent: str = "a", prefix_stable: bool = True) -> Request:
@@ -46,8 +51,8 @@ def make_req(tokens: list[int], max_new: int = 4, agent: str = "a", prefix_stabl
 
 def check_invariants(s: Scheduler) -> None:
     st = s.store.stats()
-    assert s._promised == sum(r.reserved_blocks for r in s.running)
-    assert s._promised <= s.store.num_available
+    assert s.promised == sum(r.reserved_blocks for r in s.running)
+    assert s.promised <= s.store.num_available
     assert st.blocks_active == len({b for r in s.running for b in r.blocks})
     for r in s.running:
         assert len(r.blocks) + r.reserved_blocks == s.blocks_for(r.max_total_tokens)
@@ -89,7 +94,7 @@ def test_admission_respects_block_promise_fifo():
         s.add(r)
     s.admit()
     assert s.running == [a] and list(s.waiting) == [b, c]
-    assert a.reserved_blocks == 4 and s._promised == 4
+    assert a.reserved_blocks == 4 and s.promised == 4
     assert b.blocks == [] and b.reserved_blocks == 0 and b.num_computed == 0
 
     # Nothing is admitted while a holds its promise, even across steps.
@@ -101,19 +106,17 @@ def test_admission_respects_block_promise_fifo():
     s.finish(a)
     s.admit()
     assert s.running == [b, c] and not s.waiting
-    assert s._promised == 5 + 1
+    assert s.promised == 5 + 1
 
 
 def test_request_larger_than_the_store_waits_while_others_run_then_fails():
     s = make_sched(num_blocks=6)
-    rejected = []
-    s.reject = lambda req, exc: rejected.append((req, exc))
     small = make_req(list(range(6)), max_new=2)       # 2 blocks
     big = make_req(list(range(20)), max_new=4)        # 24 tokens -> 6 blocks: not next to small
     s.add(small)
     s.add(big)
     s.admit()
-    assert s.running == [small] and list(s.waiting) == [big] and not rejected
+    assert s.running == [small] and list(s.waiting) == [big] and not s.take_failed()
     s.finish(small)
     s.admit()                                         # it fits alone: admitted as soon as the store is free
     assert s.running == [big]
@@ -121,9 +124,10 @@ def test_request_larger_than_the_store_waits_while_others_run_then_fails():
     bigger = make_req(list(range(22)), max_new=4)     # 26 tokens -> 7 blocks > 6: can never fit
     s.add(bigger)
     assert s.schedule() == []                         # fails at once instead of waiting forever
-    assert not s.waiting and [r for r, _ in rejected] == [bigger]
+    rejected = s.take_failed()
+    assert not s.waiting and [r for r, _ in rejected] == [bigger] and s.take_failed() == []
     assert isinstance(rejected[0][1], EngineError) and "7 KV blocks" in str(rejected[0][1])
-    assert s.store.stats().blocks_active == 0 and s._promised == 0
+    assert s.store.stats().blocks_active == 0 and s.promised == 0
 
 
 def test_max_num_seqs_respected():
@@ -136,7 +140,7 @@ def test_max_num_seqs_respected():
     assert {it.request.request_id for it in items} == {reqs[0].request_id, reqs[1].request_id}
     run_until_idle(s)
     assert all(len(r.output_ids) == 2 for r in reqs)
-    assert s.store.stats().blocks_active == 0 and s._promised == 0
+    assert s.store.stats().blocks_active == 0 and s.promised == 0
 
 
 # --------------------------------------------------------------------------- planning
@@ -259,7 +263,7 @@ def test_same_agent_reuses_prefix_but_runs_at_least_one_token():
     s.schedule()
     assert diverge.cached_tokens == 4
     s.finish(diverge)
-    assert s.store.stats().blocks_active == 0 and s._promised == 0
+    assert s.store.stats().blocks_active == 0 and s.promised == 0
 
 
 def test_different_agent_gets_no_hits():
@@ -297,7 +301,7 @@ def test_finish_releases_blocks_and_keeps_indexed_ones_cached():
     run_until_idle(s)
     st = s.store.stats()
     indexed = [b for b in range(s.store.num_blocks) if s.prefix.is_cached(b)]
-    assert st.blocks_active == 0 and s._promised == 0
+    assert st.blocks_active == 0 and s.promised == 0
     # Each agent: 14 prompt + 2 fed outputs = 16 computed tokens -> 4 full indexed blocks.
     assert st.blocks_cached == len(indexed) == 12
     assert s.store.num_available == s.store.num_blocks
@@ -322,7 +326,7 @@ def test_finish_of_waiting_request_and_reuse_state_reset():
     s.finish(late)                                     # aborting a waiting request
     assert not s.waiting
     s.finish(hog)
-    assert s.store.stats().blocks_active == 0 and s._promised == 0
+    assert s.store.stats().blocks_active == 0 and s.promised == 0
 
 
 def test_cached_blocks_are_evicted_for_new_work():
@@ -351,14 +355,14 @@ def test_side_request_reserve_and_release_leave_no_trace():
     side = make_req(list(range(100, 100 + BS * 3)))
     s.plan(side)
     assert not s.reserve(side, BS * 5)                         # 5 blocks: only 4 are not promised
-    assert side.blocks == [] and s._promised == 4
+    assert side.blocks == [] and s.promised == 4
     assert s.reserve(side, BS * 3)
-    assert len(side.blocks) == 3 and s._promised == 4          # allocated, so no longer merely promised
+    assert len(side.blocks) == 3 and s.promised == 4          # allocated, so no longer merely promised
     s.release(side)
     assert side.blocks == [] and side.reserved_blocks == 0
     check_invariants(s)
     s.finish(running)
-    assert s.store.stats().blocks_active == 0 and s._promised == 0
+    assert s.store.stats().blocks_active == 0 and s.promised == 0
 
 
 def test_take_blocks_gives_only_what_fits_next_to_the_promises():
