@@ -125,7 +125,7 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
 
     from kvcmas_agents import Engine, EngineConfig, KVCMASConfig, SamplingParams
 
-    engine = Engine(EngineConfig(reuse=mode, weights="dense" if variant == "dense" else "auto",
+    engine = Engine(EngineConfig(reuse=mode, weights=variant if variant in ("dense", "int8") else "auto",
                                  kvcmas=KVCMASConfig(decode_copy="auto" if variant == "copy" else "off")))
     names = [a for a, _ in trace["agents"]]
     if mode == "kvcmas" and trace.get("edges", True):         # what a registered LangGraph graph gives
@@ -146,7 +146,7 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
     def extra() -> dict:
         stats = engine.stats()
         engine.close()
-        label = {"dense": ", dense weights", "copy": ", decode_copy=auto"}.get(variant, "")
+        label = {"dense": ", dense weights", "int8": ", int8 rows", "copy": ", decode_copy=auto"}.get(variant, "")
         return {"engine": f"kvcmas reuse={mode}{label}", "weights": stats["engine"]["weights"],
                 "reuse_fallbacks": stats["counters"]["reuse_fallbacks"]}
     return chat, extra
