@@ -8,7 +8,7 @@ engine calls it at fixed points of a request's life, and knows nothing else abou
     prepare   once its own prefix is computed: make the reused pieces usable (correct them)
     view      the attention view its steps read over [0, end), or None for plain paged KV
     on_computed / on_finish / release   after a step wrote its KV / when it ends / when it lets go
-    admitting, has_idle_work, idle, drop_idle_work    work off the critical path (ahead-of-time corrections)
+    admitting, idle, drop_idle_work     work off the critical path (ahead-of-time corrections)
     state_bytes, shed_state, stats      what it holds outside KV blocks (charged to the KV budget, dropped
                                         least recently used first when it needs room), and what it did
 
@@ -143,11 +143,11 @@ class ReuseMethod:
     def admitting(self, agents: set[str]) -> None:
         """These agents' requests are about to be admitted: run work queued for them first."""
 
-    def has_idle_work(self) -> bool:
+    def idle(self, busy: set[str]) -> bool:
+        """Run one unit of queued work while nothing waits and nothing prefills (``busy``: the agents
+        with running requests). Returns whether it had any queued, run or held back: False means the
+        engine may sleep as far as this method is concerned."""
         return False
-
-    def idle(self, busy: set[str]) -> None:
-        """Run one unit of queued work while nothing waits and nothing prefills."""
 
     def drop_idle_work(self) -> None:
         """Forget all queued work (it raised: the requests it was for do without it)."""

@@ -73,13 +73,12 @@ class KVCMAS(CrossAgentMethod):
         else:                                 # an agent's own queued prefetch runs before its request
             self.prefetcher.run_for(agents)
 
-    def has_idle_work(self) -> bool:
-        return self.prefetcher is not None and self.prefetcher.has_work()
-
-    def idle(self, busy: set[str]) -> None:
-        if busy and self.settings.prefetch == "idle":
-            return                            # requests are running: wait until none does
-        self.prefetcher.run_one(busy)
+    def idle(self, busy: set[str]) -> bool:
+        if self.prefetcher is None or not self.prefetcher.has_work():
+            return False
+        if not (busy and self.settings.prefetch == "idle"):   # "idle": wait until no request runs
+            self.prefetcher.run_one(busy)
+        return True
 
     def drop_idle_work(self) -> None:
         if self.prefetcher is not None:
