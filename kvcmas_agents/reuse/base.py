@@ -25,7 +25,7 @@ from ..cache.kv_store import KVStore
 from ..cache.prefix_cache import PrefixCache
 from ..chat.template import RenderedPrompt
 from ..model.llama import LlamaModel
-from .options import ReuseOptions
+from .options import DEFAULT_RANK, DEFAULT_RECOMPUTE_RATIO, DEFAULT_REFERENCE, ReuseOptions
 from .pieces import ReusePiece
 from .realign import Realigner
 from .segments import SegmentStore
@@ -96,7 +96,7 @@ class ReuseMethod:
     cross_agent: ClassVar[bool] = False      # reads other agents' home views (needs realignable RoPE)
     reuses: ClassVar[bool] = True            # reuses any KV at all (a declared prefix can help it)
     recomputes_reused: ClassVar[bool] = True  # its recomputed_tokens are among its reused_tokens
-    config_class: ClassVar[type | None] = None
+    config_class: ClassVar[type | None] = None   # its settings' type (None: it takes none)
 
     def __init__(self, ctx: ReuseContext, settings: Any = None):
         self.ctx = ctx
@@ -104,16 +104,17 @@ class ReuseMethod:
 
     @classmethod
     def settings_of(cls, config: Any) -> Any:
-        """This method's settings in an EngineConfig: its entry in ``config.baselines``, else defaults."""
+        """This method's settings in an EngineConfig: its entry in ``config.methods``, else its
+        ``config_class()`` defaults (None when it takes no settings)."""
         if cls.config_class is None:
             return None
-        return (getattr(config, "baselines", None) or {}).get(cls.name) or cls.config_class()
+        settings = (getattr(config, "methods", None) or {}).get(cls.name)
+        return settings if settings is not None else cls.config_class()
 
     @classmethod
     def defaults(cls, config: Any) -> tuple[float, int, str]:
         """(recompute_ratio, rank, reference) a request of this mode gets when it sets none."""
-        k = config.kvcmas
-        return k.recompute_ratio, k.rank, k.reference
+        return DEFAULT_RECOMPUTE_RATIO, DEFAULT_RANK, DEFAULT_REFERENCE
 
     # --- a request's life -------------------------------------------------------------------
     def plan(self, req: ReuseRequest) -> None:

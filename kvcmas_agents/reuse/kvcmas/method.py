@@ -29,8 +29,9 @@ class KVCMAS(CrossAgentMethod):
         self.decode_copies = self.decode_copy_blocks = 0
 
     @classmethod
-    def settings_of(cls, config: Any) -> KVCMASConfig:
-        return config.kvcmas
+    def defaults(cls, config: Any) -> tuple[float, int, str]:
+        s = cls.settings_of(config)
+        return s.recompute_ratio, s.rank, s.reference
 
     def _classify(self, req: ReuseRequest, piece: ReusePiece, tokens: tuple[int, ...]) -> None:
         """A correction this agent already holds for the segment here is reused; else one is computed."""
