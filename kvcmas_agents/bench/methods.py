@@ -46,7 +46,7 @@ class Method:
         if storage.get("u8_components") == "all":
             storage["u8_components"] = None
         return EngineConfig(model=model, device=device, reuse=self.reuse,
-                            kvcmas=KVCMASConfig(**knobs, storage=StorageSpec(**storage)), **extra)
+                            methods={"kvcmas": KVCMASConfig(**knobs, storage=StorageSpec(**storage))}, **extra)
 
     @property
     def label(self) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from ..errors import ConfigError, InvalidRequestError
 from ..model.blocks import WEIGHTS
 from ..model.loader import DEFAULT_MODEL
 from ..model.logprobs import MAX_TOP_LOGPROBS
-from ..reuse import KVCMASConfig, ReuseOptions, StorageSpec, method_class
+from ..reuse import KVCMASConfig, ReuseOptions, StorageSpec, method_class, names
 from ..reuse.views import VIEW_PATHS
 
 __all__ = ["DEFAULT_MODEL", "EngineConfig", "KVCMASConfig", "ReuseOptions", "SamplingParams", "StorageSpec"]
@@ -61,8 +62,10 @@ class EngineConfig:
     cache_dir: where converted checkpoints are cached (default ``$KVCMAS_CACHE_DIR`` or ~/.cache/kvcmas).
     view_path: attention over corrected views: "auto" (the Triton kernel on CUDA, else "gather"),
         "gather", "query" (the torch reference) or "triton".
-    kvcmas: KVCMAS's settings (KVCMASConfig, with its StorageSpec).
-    baselines: settings of the baseline methods by name, e.g. {"cacheblend": CacheBlendConfig(ratio=0.2)}.
+    methods: each reuse method's settings by name, e.g. {"kvcmas": KVCMASConfig(rank=20),
+        "cacheblend": CacheBlendConfig(ratio=0.2)}; a method left out uses its own defaults.
+    kvcmas, baselines: deprecated spellings of ``methods["kvcmas"]`` and of the other entries; given,
+        they fold into ``methods``. Read back, they mirror it (KVCMAS's settings in use; the rest).
     """
 
     model: str | None = None
@@ -78,16 +81,22 @@ class EngineConfig:
     num_threads: int | None = None
     cache_dir: str | None = None
     view_path: str = "auto"
-    kvcmas: KVCMASConfig = field(default_factory=KVCMASConfig)
-    baselines: dict[str, Any] = field(default_factory=dict)
+    methods: dict[str, Any] = field(default_factory=dict)
+    kvcmas: KVCMASConfig | None = field(default=None, repr=False)          # deprecated: methods["kvcmas"]
+    baselines: dict[str, Any] | None = field(default=None, repr=False)     # deprecated: methods[name]
 
     def __post_init__(self) -> None:
         try:
+            folded = self._fold_aliases()
+            self._check_methods()
             self._check()
         except ConfigError:
             raise
         except ValueError as exc:        # e.g. method_class naming the reuse modes
             raise ConfigError(str(exc)) from None
+        if folded:                       # a valid config that spells its settings the old way
+            warnings.warn(f"EngineConfig(kvcmas=, baselines=) are deprecated: pass methods={{{folded[0]!r}: ...}}",
+                          DeprecationWarning, stacklevel=3)
 
     def _check(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -114,15 +123,43 @@ class EngineConfig:
             raise ConfigError(f"max_context must be a positive int or None, got {self.max_context!r}")
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ConfigError(f"cache_dir must be a path or None, got {self.cache_dir!r}")
-        if not isinstance(self.kvcmas, KVCMASConfig):
+
+    def _fold_aliases(self) -> list[str]:
+        """Move what ``kvcmas=`` and ``baselines=`` hold into ``methods`` (they become mirrors of it once
+        checked); returns the names they added. An alias equal to its ``methods`` entry (as
+        ``dataclasses.replace`` passes it back) adds nothing."""
+        if not isinstance(self.methods, dict):
+            raise ConfigError(f"methods must be a dict of settings by method name, got {self.methods!r}")
+        if self.kvcmas is not None and not isinstance(self.kvcmas, KVCMASConfig):
             raise ConfigError(f"kvcmas must be a KVCMASConfig, got {self.kvcmas!r}")
-        if not isinstance(self.baselines, dict):
+        if self.baselines is not None and not isinstance(self.baselines, dict):
             raise ConfigError(f"baselines must be a dict of settings by method name, got {self.baselines!r}")
-        for name, settings in self.baselines.items():
+        given = dict(self.baselines or {})
+        if self.kvcmas is not None and self.kvcmas != KVCMASConfig():
+            given["kvcmas"] = self.kvcmas
+        methods, folded = dict(self.methods), []
+        for name, settings in given.items():
+            if name in methods and methods[name] != settings:
+                raise ConfigError(f"{name!r}'s settings are given twice, in methods and in the deprecated "
+                                  f"kvcmas= or baselines=, and differ: pass them in methods only")
+            if name not in methods:
+                methods[name] = settings
+                folded.append(name)
+        self.methods = methods
+        self.kvcmas = None                          # set from methods once they are checked
+        return folded
+
+    def _check_methods(self) -> None:
+        for name, settings in self.methods.items():
+            if name not in names():
+                raise ConfigError(f"methods names no reuse method {name!r}: reuse must be one of {names()}")
             cls = method_class(name)
-            if cls.config_class is None or not isinstance(settings, cls.config_class):
-                want = cls.config_class.__name__ if cls.config_class else "no settings"
-                raise ConfigError(f"baselines[{name!r}] must be a {want}, got {settings!r}")
+            if cls.config_class is None:
+                raise ConfigError(f"methods[{name!r}]: {name!r} takes no settings, got {settings!r}")
+            if not isinstance(settings, cls.config_class):
+                raise ConfigError(f"methods[{name!r}] must be a {cls.config_class.__name__}, got {settings!r}")
+        self.kvcmas = method_class("kvcmas").settings_of(self)
+        self.baselines = {n: s for n, s in self.methods.items() if n != "kvcmas"}
 
 
 @dataclass

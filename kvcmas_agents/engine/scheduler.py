@@ -288,9 +288,6 @@ class Scheduler:
                     req.request_id, where, req.options.reuse, exc)
 
     # --- work off the critical path (ahead-of-time corrections) ----------------------------------
-    def has_idle_work(self) -> bool:
-        return any(m.has_idle_work() for m in self.methods.values())
-
     def _admitting(self) -> None:
         """Work queued for the waiting requests' agents runs before they are admitted (e.g. their own
         ahead-of-time corrections), so what they reuse does not depend on timing; they wait for it."""
@@ -303,24 +300,28 @@ class Scheduler:
             for r in waiting:
                 r.timings.add("ahead", dt)
 
-    def idle(self) -> None:
+    def idle(self) -> bool:
         """Work off the critical path runs only while nothing waits and nobody is prefilling (e.g.
-        during decode), so it never delays a first token; a decode step waits for one unit at most."""
+        during decode), so it never delays a first token; a decode step waits for one unit at most.
+        Returns whether the worker should come back without sleeping (a method had work, or it did
+        not ask them: then the worker has requests anyway)."""
         if self.waiting or any(r.in_prefill for r in self.running):
-            return
+            return True
+        busy = {r.agent for r in self.running}
         for m in self.methods.values():
-            if m.has_idle_work():
-                self._off_path(m, m.idle, {r.agent for r in self.running})
+            if self._off_path(m, m.idle, busy):
                 self.budget.charge_state()
                 self.budget.track_peak()
-                return
+                return True
+        return False
 
-    def _off_path(self, method: ReuseMethod, work: Any, agents: set[str]) -> None:
+    def _off_path(self, method: ReuseMethod, work: Any, agents: set[str]) -> Any:
         """Work off the critical path (ahead-of-time corrections) is an optimization: when it raises, the
         method's queued work is dropped (the requests correct inline) and counted, and the worker goes on."""
         try:
-            work(agents)
+            return work(agents)
         except Exception as exc:
             self.counters.add("idle_work_failed")
             log.warning("kvcmas: %s's work ahead of time failed and was dropped: %r", method.name, exc)
             method.drop_idle_work()
+            return True                       # it ran (and may have left state to charge)

@@ -50,16 +50,17 @@ class Worker:
     # --- the loop ------------------------------------------------------------------------------
     def loop(self) -> None:
         sched = self.scheduler
+        idle_work = False                               # sched.idle() had work: come back without sleeping
         while True:
             try:
-                if not self._take_inbox(block=not (sched.has_work() or sched.has_idle_work())):
+                if not self._take_inbox(block=not (sched.has_work() or idle_work)):
                     break
                 items = sched.schedule()
                 self._fail_unservable()
                 if items:
                     self._postprocess(self._run(items))
                     self.budget.charge_state()          # what finished no longer pins its state
-                sched.idle()
+                idle_work = sched.idle()
             except Exception as exc:     # a bug outside any one request: fail everything in flight
                 self._fail_unservable()
                 for req in list(sched.running) + list(sched.waiting):

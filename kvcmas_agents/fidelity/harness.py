@@ -56,7 +56,7 @@ class _Runner:
         set_knobs = {f: v for f, v in (("recompute_ratio", k.recompute_ratio), ("rank", k.rank),
                                        ("reference", k.reference)) if v is not None}
         return Engine(EngineConfig(model=self.model, device=self.device, reuse=reuse, num_threads=self.threads,
-                                   kvcmas=replace(self.settings, **set_knobs)))
+                                   methods={"kvcmas": replace(self.settings, **set_knobs)}))
 
     async def replay(self, scenario: Scenario, exact: list[ExactTurn], reuse: str, eval_tokens: int,
                      knobs: ReuseOptions | None = None) -> tuple[list[ReplayTurn], dict[str, Any], float]:

@@ -8,7 +8,7 @@ engine calls it at fixed points of a request's life, and knows nothing else abou
     prepare   once its own prefix is computed: make the reused pieces usable (correct them)
     view      the attention view its steps read over [0, end), or None for plain paged KV
     on_computed / on_finish / release   after a step wrote its KV / when it ends / when it lets go
-    admitting, has_idle_work, idle, drop_idle_work    work off the critical path (ahead-of-time corrections)
+    admitting, idle, drop_idle_work     work off the critical path (ahead-of-time corrections)
     state_bytes, shed_state, stats      what it holds outside KV blocks (charged to the KV budget, dropped
                                         least recently used first when it needs room), and what it did
 
@@ -25,7 +25,7 @@ from ..cache.kv_store import KVStore
 from ..cache.prefix_cache import PrefixCache
 from ..chat.template import RenderedPrompt
 from ..model.llama import LlamaModel
-from .options import ReuseOptions
+from .options import DEFAULT_RANK, DEFAULT_RECOMPUTE_RATIO, DEFAULT_REFERENCE, ReuseOptions
 from .pieces import ReusePiece
 from .realign import Realigner
 from .segments import SegmentStore
@@ -96,7 +96,7 @@ class ReuseMethod:
     cross_agent: ClassVar[bool] = False      # reads other agents' home views (needs realignable RoPE)
     reuses: ClassVar[bool] = True            # reuses any KV at all (a declared prefix can help it)
     recomputes_reused: ClassVar[bool] = True  # its recomputed_tokens are among its reused_tokens
-    config_class: ClassVar[type | None] = None
+    config_class: ClassVar[type | None] = None   # its settings' type (None: it takes none)
 
     def __init__(self, ctx: ReuseContext, settings: Any = None):
         self.ctx = ctx
@@ -104,16 +104,17 @@ class ReuseMethod:
 
     @classmethod
     def settings_of(cls, config: Any) -> Any:
-        """This method's settings in an EngineConfig: its entry in ``config.baselines``, else defaults."""
+        """This method's settings in an EngineConfig: its entry in ``config.methods``, else its
+        ``config_class()`` defaults (None when it takes no settings)."""
         if cls.config_class is None:
             return None
-        return (getattr(config, "baselines", None) or {}).get(cls.name) or cls.config_class()
+        settings = (getattr(config, "methods", None) or {}).get(cls.name)
+        return settings if settings is not None else cls.config_class()
 
     @classmethod
     def defaults(cls, config: Any) -> tuple[float, int, str]:
         """(recompute_ratio, rank, reference) a request of this mode gets when it sets none."""
-        k = config.kvcmas
-        return k.recompute_ratio, k.rank, k.reference
+        return DEFAULT_RECOMPUTE_RATIO, DEFAULT_RANK, DEFAULT_REFERENCE
 
     # --- a request's life -------------------------------------------------------------------
     def plan(self, req: ReuseRequest) -> None:
@@ -143,11 +144,11 @@ class ReuseMethod:
     def admitting(self, agents: set[str]) -> None:
         """These agents' requests are about to be admitted: run work queued for them first."""
 
-    def has_idle_work(self) -> bool:
+    def idle(self, busy: set[str]) -> bool:
+        """Run one unit of queued work while nothing waits and nothing prefills (``busy``: the agents
+        with running requests). Returns whether it had any queued, run or held back: False means the
+        engine may sleep as far as this method is concerned."""
         return False
-
-    def idle(self, busy: set[str]) -> None:
-        """Run one unit of queued work while nothing waits and nothing prefills."""
 
     def drop_idle_work(self) -> None:
         """Forget all queued work (it raised: the requests it was for do without it)."""

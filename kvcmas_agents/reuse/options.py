@@ -7,6 +7,9 @@ from typing import Any
 from .registry import method_class, names
 
 REFERENCES: tuple[str, ...] = ("home", "chain")
+# The knobs a request gets from a method that sets none of its own (ReuseMethod.defaults); KVCMASConfig
+# starts from them too.
+DEFAULT_RECOMPUTE_RATIO, DEFAULT_RANK, DEFAULT_REFERENCE = 0.5, 40, "home"
 
 
 @dataclass
@@ -14,8 +17,8 @@ class ReuseOptions:
     """Per-request overrides of the engine's reuse knobs (None keeps the engine's setting).
 
     reuse: a reuse mode ("none", "prefix", "naive", "kvcmas", "cacheblend", "kvcomm").
-    recompute_ratio, rank, reference: KVCMAS knobs; an unset recompute_ratio resolves to the mode's
-    default (KVCMASConfig.recompute_ratio; CacheBlend's own ratio for reuse="cacheblend").
+    recompute_ratio, rank, reference: KVCMAS knobs; an unset one resolves to the mode's default
+    (``ReuseMethod.defaults``: KVCMAS's settings; CacheBlend's own ratio for reuse="cacheblend").
     """
 
     reuse: str | None = None

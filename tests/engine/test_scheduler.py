@@ -20,6 +20,7 @@ from kvcmas_agents.engine.scheduler import Scheduler, StepItem
 from kvcmas_agents.engine.stats import Counters
 from kvcmas_agents.errors import EngineError
 from kvcmas_agents.reuse import ReuseContext, method_class
+from kvcmas_agents.reuse.base import ReuseMethod
 
 BS = 4
 _ids = itertools.count()
@@ -378,3 +379,40 @@ def test_take_blocks_gives_only_what_fits_next_to_the_promises():
     for b in got:
         s.store.decref(b, cached=False)
     assert s.room == 4
+
+
+# --------------------------------------------------------------------------- work off the critical path
+
+
+class _Queued(ReuseMethod):
+    """A method with ``units`` of idle work queued; ``fail`` makes its work raise."""
+
+    name = "queued"
+
+    def __init__(self, ctx: ReuseContext, units: int, fail: bool = False):
+        super().__init__(ctx)
+        self.units, self.fail, self.dropped = units, fail, 0
+
+    def idle(self, busy: set[str]) -> bool:
+        if not self.units:
+            return False
+        if self.fail:
+            raise RuntimeError("prefetch broke")
+        self.units -= 1
+        return True
+
+    def drop_idle_work(self) -> None:
+        self.units, self.dropped = 0, self.dropped + 1
+
+
+def test_idle_runs_one_unit_a_call_and_says_whether_there_was_any():
+    s = make_sched()
+    q = s.methods["queued"] = _Queued(s.methods["prefix"].ctx, 2)
+    assert [s.idle(), s.idle(), s.idle()] == [True, True, False] and q.units == 0
+    s.add(make_req(list(range(6))))
+    q.units = 1
+    assert s.idle() and q.units == 1                  # a request waits: idle work does not run
+    run_until_idle(s)
+    f = s.methods["queued"] = _Queued(s.methods["prefix"].ctx, 3, fail=True)
+    assert s.idle() and f.units == 0 and f.dropped == 1          # raised: dropped, counted, not raised
+    assert s.counters.snapshot()[0]["idle_work_failed"] == 1 and not s.idle()

@@ -126,7 +126,7 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
     from kvcmas_agents import Engine, EngineConfig, KVCMASConfig, SamplingParams
 
     engine = Engine(EngineConfig(reuse=mode, weights=variant if variant in ("dense", "int8") else "auto",
-                                 kvcmas=KVCMASConfig(decode_copy="auto" if variant == "copy" else "off")))
+                                 methods={"kvcmas": KVCMASConfig(decode_copy="auto" if variant == "copy" else "off")}))
     names = [a for a, _ in trace["agents"]]
     if mode == "kvcmas" and trace.get("edges", True):         # what a registered LangGraph graph gives
         engine.set_edges(list(zip(names, names[1:] + names[:1])))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..options import REFERENCES
+from ..options import DEFAULT_RANK, DEFAULT_RECOMPUTE_RATIO, DEFAULT_REFERENCE, REFERENCES
 from ..storage.spec import StorageSpec
 
 PREFETCH: tuple[str, ...] = ("off", "idle", "decode")
@@ -34,9 +34,9 @@ class KVCMASConfig:
     storage: how corrections are stored (StorageSpec).
     """
 
-    recompute_ratio: float = 0.5
-    rank: int = 40
-    reference: str = "home"
+    recompute_ratio: float = DEFAULT_RECOMPUTE_RATIO
+    rank: int = DEFAULT_RANK
+    reference: str = DEFAULT_REFERENCE
     prefetch: str = "decode"
     prefetch_ratio: float = 0.9
     recompute_newest: bool = True

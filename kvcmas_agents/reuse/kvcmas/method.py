@@ -29,8 +29,9 @@ class KVCMAS(CrossAgentMethod):
         self.decode_copies = self.decode_copy_blocks = 0
 
     @classmethod
-    def settings_of(cls, config: Any) -> KVCMASConfig:
-        return config.kvcmas
+    def defaults(cls, config: Any) -> tuple[float, int, str]:
+        s = cls.settings_of(config)
+        return s.recompute_ratio, s.rank, s.reference
 
     def _classify(self, req: ReuseRequest, piece: ReusePiece, tokens: tuple[int, ...]) -> None:
         """A correction this agent already holds for the segment here is reused; else one is computed."""
@@ -73,13 +74,12 @@ class KVCMAS(CrossAgentMethod):
         else:                                 # an agent's own queued prefetch runs before its request
             self.prefetcher.run_for(agents)
 
-    def has_idle_work(self) -> bool:
-        return self.prefetcher is not None and self.prefetcher.has_work()
-
-    def idle(self, busy: set[str]) -> None:
-        if busy and self.settings.prefetch == "idle":
-            return                            # requests are running: wait until none does
-        self.prefetcher.run_one(busy)
+    def idle(self, busy: set[str]) -> bool:
+        if self.prefetcher is None or not self.prefetcher.has_work():
+            return False
+        if not (busy and self.settings.prefetch == "idle"):   # "idle": wait until no request runs
+            self.prefetcher.run_one(busy)
+        return True
 
     def drop_idle_work(self) -> None:
         if self.prefetcher is not None:
