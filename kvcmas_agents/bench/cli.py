@@ -8,7 +8,7 @@ import asyncio
 import shlex
 import sys
 
-from . import parts
+from . import decode_rate, grammar_mask, parts, scale_out, soak, tool_choice, tool_loop, turn_time
 from .methods import DEFAULT_METHODS, METHODS, Method, sweep_methods
 from .report import markdown, write_report
 from .runner import BenchConfig, run_bench
@@ -22,7 +22,8 @@ from .traces import PRESETS, get_traces
 SWEEP = {"quick": ((0.2, 1.0), (), (), True), "full": ((0.3,), (24, 32), (0.5,), True),
          "long": ((), (), (), True), "tiny": ((), (), (), False)}
 
-SUBCOMMANDS = {"parts": parts}
+SUBCOMMANDS = {"parts": parts, "turn-time": turn_time, "tool-loop": tool_loop, "decode-rate": decode_rate,
+               "tool-choice": tool_choice, "grammar-mask": grammar_mask, "soak": soak, "scale-out": scale_out}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
