@@ -108,8 +108,8 @@ COMMANDS: dict[str, Command] = {
     "info": Command("show the model, device, dtype, context and KV sizes", _add_model_args, run_info),
     "fidelity": Command("measure each reuse mode's KL and greedy agreement against exact prefill",
                         fidelity_cli.add_args, fidelity_cli.run),
-    "bench": Command("replay multi-agent traces through every reuse method: TTFT, memory, fidelity ratios",
-                     bench_cli.add_args, bench_cli.run),
+    "bench": Command("replay multi-agent traces through every reuse method: TTFT, memory, fidelity ratios; "
+                     "kvcmas bench NAME: a narrower benchmark", bench_cli.add_args, bench_cli.run),
     "peers": Command("one multi-agent workflow on this engine and on llama.cpp / vLLM-CPU when installed "
                      "(docs/peers.md)", peers_cli.add_args, peers_cli.run),
     "serve": Command("OpenAI-compatible HTTP gateway over one shared engine (docs/serve.md)",

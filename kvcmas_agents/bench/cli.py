@@ -1,4 +1,6 @@
-"""``kvcmas bench`` / ``python -m benchmarks.bench``: options, run, write and print the report."""
+"""``kvcmas bench``: options, run, write and print the report; ``kvcmas bench NAME``: one of the
+narrower benchmarks in ``SUBCOMMANDS``, each a module with ``HELP``, ``add_args(parser)`` and
+``run(args) -> int``."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +8,7 @@ import asyncio
 import shlex
 import sys
 
+from . import decode_rate, grammar_mask, parts, scale_out, soak, tool_choice, tool_loop, turn_time
 from .methods import DEFAULT_METHODS, METHODS, Method, sweep_methods
 from .report import markdown, write_report
 from .runner import BenchConfig, run_bench
@@ -18,6 +21,9 @@ from .traces import PRESETS, get_traces
 # memory and time.
 SWEEP = {"quick": ((0.2, 1.0), (), (), True), "full": ((0.3,), (24, 32), (0.5,), True),
          "long": ((), (), (), True), "tiny": ((), (), (), False)}
+
+SUBCOMMANDS = {"parts": parts, "turn-time": turn_time, "tool-loop": tool_loop, "decode-rate": decode_rate,
+               "tool-choice": tool_choice, "grammar-mask": grammar_mask, "soak": soak, "scale-out": scale_out}
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +55,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="model and KV dtype (default: bf16 on CUDA, fp32 on CPU); bfloat16 on CPU "
                              "measures the memory a GPU run holds")
+    subs = parser.add_subparsers(dest="bench_name", metavar="NAME", title="narrower benchmarks",
+                                 description="kvcmas bench NAME --help for each one's options; without NAME, "
+                                             "the replay of every method above")
+    for name, module in SUBCOMMANDS.items():
+        sub = subs.add_parser(name, help=module.HELP, description=module.__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_args(sub)
 
 
 def sweep_of(args: argparse.Namespace) -> list[Method]:
@@ -63,6 +76,8 @@ def sweep_of(args: argparse.Namespace) -> list[Method]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_name", None):
+        return SUBCOMMANDS[args.bench_name].run(args)
     traces = get_traces(args.preset, args.traces)
     sweep = sweep_of(args)
     cfg = BenchConfig(traces, list(args.methods), sweep, traces[0].name, args.eval_tokens, args.decode == "full",

@@ -1,4 +1,4 @@
-"""``kvcmas fidelity`` / ``python -m benchmarks.fidelity``: options, run, write and print the report."""
+"""``kvcmas fidelity``: options, run, write and print the report."""
 from __future__ import annotations
 
 import argparse

@@ -33,13 +33,13 @@ from ._autogen_convert import (
     json_instruction, response_format, to_create_result, to_engine_messages, to_engine_tool_choice, to_engine_tools,
 )
 from ..chat.tool_filter import ToolBlockFilter
+from ._reuse import LEGACY_KNOBS, ReuseSetting, compact, fold_legacy, override, to_options
 from ._autogen_team import calling_agent_name, current_agent_name, team_edges
 
 __all__ = ["KVCMASClient", "KVCMASClientConfig", "register_team"]
 
 _SAMPLING_ARGS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop", "frequency_penalty",
                   "presence_penalty", "logit_bias")
-_REUSE_ARGS = ("reuse", "recompute_ratio", "rank", "reference")
 _DONE = object()
 
 
@@ -57,7 +57,8 @@ class KVCMASClientConfig(BaseModel):
     presence_penalty: float = 0.0
     logit_bias: Optional[dict[int, float]] = None
     agent: Optional[str] = None
-    reuse: Optional[str] = None
+    reuse: Union[str, ReuseOptions, None] = None
+    # Deprecated: configs saved before ``reuse`` took a ReuseOptions; folded into it on load.
     recompute_ratio: Optional[float] = None
     rank: Optional[int] = None
     reference: Optional[str] = None
@@ -86,10 +87,11 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
         agent: the agent name to report when no AgentChat agent is calling (a calling agent's name wins,
             in a team or alone, then the running message handler's agent; ``extra_create_args={"agent": ...}``
             beats all).
-        reuse: KV reuse mode for this client's requests ("none", "prefix", "naive", "kvcmas"; None: the
-            engine's). A shared engine this client creates runs ``reuse`` or, if None, "kvcmas".
-        recompute_ratio, rank, reference: KVCMAS knobs for this client's requests (None: the engine's).
-            ``extra_create_args`` may override any of the four per call.
+        reuse: KV reuse for this client's requests: a mode ("none", "prefix", "naive", "kvcmas", ...) or a
+            ``ReuseOptions`` with the mode and KVCMAS knobs (``recompute_ratio``, ``rank``, ``reference``);
+            None or an unset knob keeps the engine's. A shared engine this client creates runs its mode or,
+            if None, "kvcmas". ``extra_create_args={"reuse": ...}`` overrides it per call, knob by knob.
+        recompute_ratio, rank, reference: deprecated, give them in ``reuse=ReuseOptions(...)``.
         tool_call_threshold: with tools and tool_choice "auto", a decision step scores the log probability
             of the reply opening with a tool call; above this it is a (grammar-constrained) call
             (docs/tool_calls.md). None leaves the choice to free decoding, where the default model never calls.
@@ -105,7 +107,7 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | None = None,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  logit_bias: Mapping[int | str, float] | None = None,
-                 agent: str | None = None, reuse: str | None = None, recompute_ratio: float | None = None,
+                 agent: str | None = None, reuse: ReuseSetting = None, recompute_ratio: float | None = None,
                  rank: int | None = None, reference: str | None = None,
                  tool_call_threshold: float | None = DEFAULT_THRESHOLD, engine: Engine | None = None,
                  model_info: ModelInfo | None = None) -> None:
@@ -118,7 +120,8 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
             raise ValueError("agent must be a non-empty string")
         self._model = model if model is not None or engine is None else engine.config.model
         self._agent = agent
-        self._reuse = ReuseOptions(reuse, recompute_ratio, rank, reference)
+        legacy = {"recompute_ratio": recompute_ratio, "rank": rank, "reference": reference}
+        self._reuse = to_options(fold_legacy(reuse, legacy, "KVCMASClient"))
         self._reuse.validate()
         self._decision = None if tool_call_threshold is None else ToolDecision(tool_call_threshold)
         self._engine = engine
@@ -225,17 +228,18 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
     def _prepare(self, messages: Sequence[LLMMessage], tools: Sequence[Tool | ToolSchema],
                  tool_choice: Tool | str, json_output: bool | type[BaseModel] | None,
                  extra: Mapping[str, Any]) -> _Prepared:
-        unknown = set(extra) - {*_SAMPLING_ARGS, *_REUSE_ARGS, "agent"}
+        unknown = set(extra) - {*_SAMPLING_ARGS, "reuse", *LEGACY_KNOBS, "agent"}
         if unknown:
             raise ValueError(f"unsupported extra_create_args {sorted(unknown)}; "
-                             f"supported: {', '.join((*_SAMPLING_ARGS, *_REUSE_ARGS, 'agent'))}")
+                             f"supported: {', '.join((*_SAMPLING_ARGS, 'reuse', 'agent'))}")
         if json_output is not None and not isinstance(json_output, bool) and not (
                 isinstance(json_output, type) and issubclass(json_output, BaseModel)):
             raise ValueError("json_output must be None, a bool, or a pydantic BaseModel subclass")
         sampling = SamplingParams(**{k: extra.get(k, getattr(self._defaults, k)) for k in _SAMPLING_ARGS},
                                   response_format=response_format(json_output))
         sampling.validate()
-        reuse_options = ReuseOptions(**{k: extra.get(k, getattr(self._reuse, k)) for k in _REUSE_ARGS})
+        legacy = {k: extra[k] for k in LEGACY_KNOBS if k in extra}
+        reuse_options = override(self._reuse, fold_legacy(extra.get("reuse"), legacy, "extra_create_args"))
         reuse_options.validate()
         engine_tools = to_engine_tools(tools)
         choice = to_engine_tool_choice(tool_choice, engine_tools)
@@ -299,15 +303,15 @@ class KVCMASClient(ChatCompletionClient, Component[KVCMASClientConfig]):
                                   top_p=d.top_p, top_k=d.top_k, seed=d.seed, stop=list(d.stop) or None,
                                   frequency_penalty=d.frequency_penalty, presence_penalty=d.presence_penalty,
                                   logit_bias=d.logit_bias,
-                                  agent=self._agent, reuse=self._reuse.reuse,
-                                  recompute_ratio=self._reuse.recompute_ratio, rank=self._reuse.rank,
-                                  reference=self._reuse.reference,
+                                  agent=self._agent, reuse=compact(self._reuse),
                                   tool_call_threshold=self._decision.threshold if self._decision else None,
                                   model_info=self._model_info)
 
     @classmethod
     def _from_config(cls, config: KVCMASClientConfig) -> Self:
-        return cls(**config.model_dump())
+        args = config.model_dump(exclude={"reuse", *LEGACY_KNOBS})
+        legacy = {k: getattr(config, k) for k in LEGACY_KNOBS}
+        return cls(**args, reuse=fold_legacy(config.reuse, legacy, "KVCMASClientConfig"))
 
 
 def team_engine(team: Any) -> Engine | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from dataclasses import asdict
 from typing import Any, AsyncIterator, Callable, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -23,12 +24,12 @@ from ..registry import ADAPTER_REUSE, get_engine
 from . import _lc_messages as conv
 from . import _lc_structured as structured
 from ._lc_sync import iterate_sync
+from ._reuse import LEGACY_KNOBS, fold_legacy, override, to_options
 from ..chat.tool_filter import ToolBlockFilter
 
 DEFAULT_AGENT = "default"
 _SAMPLING_KEYS = ("temperature", "max_tokens", "top_p", "top_k", "seed", "frequency_penalty", "presence_penalty",
                   "logit_bias")
-_REUSE_KEYS = ("reuse", "recompute_ratio", "rank", "reference")
 _IGNORED_KEYS = ("stream", "parallel_tool_calls", "strict")   # accepted for API compatibility; no effect
 # Constructor names other chat models use for our fields (ChatOpenAI, ChatOllama, ChatAnthropic).
 _ALIASES = {"model_name": "model", "max_completion_tokens": "max_tokens", "num_predict": "max_tokens",
@@ -49,8 +50,9 @@ class ChatKVCMAS(BaseChatModel):
     else ``"default"``.
 
     Agents reuse each other's KV: a shared engine created here runs ``reuse="kvcmas"`` unless
-    ``reuse`` says otherwise, and ``reuse``/``recompute_ratio``/``rank``/``reference`` (fields, or
-    ``llm.bind(...)`` per call) override the engine's setting for this model's requests.
+    ``reuse`` says otherwise. ``reuse`` is a mode's name or a ``ReuseOptions`` (mode and KVCMAS knobs);
+    set on the model or per call (``llm.bind(reuse=...)``), it overrides the engine's setting for this
+    model's requests, a per-call one knob by knob.
 
     >>> llm = ChatKVCMAS(max_tokens=128)
     >>> await llm.ainvoke("Plan a CLI tool in three steps.")
@@ -77,15 +79,11 @@ class ChatKVCMAS(BaseChatModel):
     """Stream by default (``invoke`` then goes through ``_stream``)."""
     agent: str | None = None
     """Agent name for every call of this model (else ``name``, else the LangGraph node)."""
-    reuse: str | None = None
-    """KV reuse mode for this model's requests: "none", "prefix", "naive" or "kvcmas" (None: the
-    engine's; a shared engine this instance creates runs "kvcmas")."""
-    recompute_ratio: float | None = None
-    """KVCMAS: fraction of reused tokens recomputed (None: the engine's)."""
-    rank: int | None = None
-    """KVCMAS: SVD rank of each stored correction (None: the engine's)."""
-    reference: str | None = None
-    """KVCMAS: reference view, "home" or "chain" (None: the engine's)."""
+    reuse: str | ReuseOptions | None = None
+    """KV reuse for this model's requests: a mode ("none", "prefix", "naive", "kvcmas", ...), or a
+    ``ReuseOptions`` with the mode and KVCMAS knobs (``recompute_ratio``, ``rank``, ``reference``);
+    None or an unset knob keeps the engine's. A shared engine this instance creates runs its mode, else
+    "kvcmas"."""
     tool_call_threshold: float | None = DEFAULT_THRESHOLD
     """With bound tools and tool_choice "auto": the log probability of the reply opening with a tool
     call above which it is a (grammar-constrained) call, scored by a decision step first
@@ -100,6 +98,9 @@ class ChatKVCMAS(BaseChatModel):
         if not isinstance(values, dict):
             return values
         values = dict(values)
+        legacy = {k: values.pop(k) for k in LEGACY_KNOBS if k in values}
+        if legacy:
+            values["reuse"] = fold_legacy(values.get("reuse"), legacy, "ChatKVCMAS", stacklevel=5)
         for alias, field in _ALIASES.items():
             if alias in values:
                 if field in values:
@@ -117,12 +118,37 @@ class ChatKVCMAS(BaseChatModel):
 
     @model_validator(mode="after")
     def _check_reuse_options(self) -> "ChatKVCMAS":
-        self._reuse_options({}).validate()
+        to_options(self.reuse).validate()
         SamplingParams(frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
                        logit_bias=self.logit_bias).validate()
         return self
 
+    @property
+    def recompute_ratio(self) -> float | None:
+        """Deprecated: ``reuse.recompute_ratio``."""
+        return self._legacy_knob("recompute_ratio")
+
+    @property
+    def rank(self) -> int | None:
+        """Deprecated: ``reuse.rank``."""
+        return self._legacy_knob("rank")
+
+    @property
+    def reference(self) -> str | None:
+        """Deprecated: ``reuse.reference``."""
+        return self._legacy_knob("reference")
+
+    def _legacy_knob(self, name: str) -> Any:
+        warnings.warn(f"ChatKVCMAS.{name} is deprecated; read reuse.{name} (reuse is a ReuseOptions when "
+                      f"knobs are set)", DeprecationWarning, stacklevel=3)
+        return getattr(to_options(self.reuse), name)
+
     # --- LangChain metadata ------------------------------------------------------------------
+    @property
+    def lc_attributes(self) -> dict[str, Any]:
+        """A ``ReuseOptions`` serializes as its fields (``loads`` validates them back)."""
+        return {"reuse": asdict(self.reuse)} if isinstance(self.reuse, ReuseOptions) else {}
+
     @classmethod
     def is_lc_serializable(cls) -> bool:
         """True: ``dumpd``/``loads`` round-trip the settings (an explicit ``engine`` is not kept)."""
@@ -141,11 +167,9 @@ class ChatKVCMAS(BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {"model": self.model or DEFAULT_MODEL, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
-                "stop": self.stop, "agent": self.agent, "reuse": self.reuse,
+                "stop": self.stop, "agent": self.agent, **asdict(to_options(self.reuse)),
                 "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-                "logit_bias": self.logit_bias,
-                "recompute_ratio": self.recompute_ratio, "rank": self.rank, "reference": self.reference,
-                "tool_call_threshold": self.tool_call_threshold}
+                "logit_bias": self.logit_bias, "tool_call_threshold": self.tool_call_threshold}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(ls_provider=conv.PROVIDER, ls_model_name=kwargs.get("model") or self.model
@@ -161,7 +185,8 @@ class ChatKVCMAS(BaseChatModel):
         """The engine this model runs on (created on first use). ``model`` overrides the field."""
         if self.engine is not None and (model is None or model == self.model):
             return self.engine
-        return get_engine(model if model is not None else self.model, reuse=self.reuse or ADAPTER_REUSE)
+        return get_engine(model if model is not None else self.model,
+                          reuse=to_options(self.reuse).reuse or ADAPTER_REUSE)
 
     def get_token_ids(self, text: str) -> list[int]:
         """The model's own token ids for ``text`` (no special tokens), unless ``custom_get_token_ids`` is set."""
@@ -223,7 +248,8 @@ class ChatKVCMAS(BaseChatModel):
         instruction = structured.format_instruction(response_format)
         sampling = self._sampling(stop, {k: kwargs.pop(k) for k in _SAMPLING_KEYS if k in kwargs})
         sampling.response_format = response_format      # decoding is constrained to it (engine grammar)
-        reuse_options = self._reuse_options({k: kwargs.pop(k) for k in _REUSE_KEYS if k in kwargs})
+        reuse_options = self._reuse_options(kwargs.pop("reuse", None),
+                                            {k: kwargs.pop(k) for k in LEGACY_KNOBS if k in kwargs})
         if kwargs:
             raise TypeError(f"ChatKVCMAS got unexpected call arguments: {sorted(kwargs)}")
         engine_messages = with_system_text(conv.to_engine_messages(messages), instruction)
@@ -232,9 +258,11 @@ class ChatKVCMAS(BaseChatModel):
                         "tools": tools, "tool_choice": tool_choice, "reuse_options": reuse_options,
                         "tool_decision": decision}
 
-    def _reuse_options(self, overrides: dict[str, Any]) -> ReuseOptions:
-        """Per-request reuse knobs: call overrides, then fields; None leaves the engine's setting."""
-        return ReuseOptions(**{k: overrides.get(k, getattr(self, k)) for k in _REUSE_KEYS})
+    def _reuse_options(self, call: Any, legacy: dict[str, Any]) -> ReuseOptions:
+        """One request's reuse knobs: the call's, then the model's; None leaves the engine's setting."""
+        options = override(to_options(self.reuse), fold_legacy(call, legacy, "ChatKVCMAS call", stacklevel=5))
+        options.validate()
+        return options
 
     def _sampling(self, stop: list[str] | None, overrides: dict[str, Any]) -> SamplingParams:
         params = {k: getattr(self, k) for k in _SAMPLING_KEYS} | overrides

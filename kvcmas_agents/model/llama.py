@@ -30,7 +30,7 @@ class AttentionBackend(Protocol):
 # rows on it gained little or lost (0.8-1.1x, made contiguous), so wider products keep ``F.linear``.
 # One row takes that path as two (the row twice): a one-column product goes to the matrix-vector path,
 # as slow as ``F.linear``'s, and the second row costs nothing while the weights' reads bound the step
-# (a step's projections 1.9x faster; benchmarks/step_width.py, docs/speed.md). ``switches.cpu_matmul``.
+# (a step's projections 1.9x faster; docs/speed.md). ``switches.cpu_matmul``.
 MATMUL_ROWS = 4
 
 

@@ -1,14 +1,14 @@
-"""benchmarks/decode_rate: one round on the real model."""
+"""kvcmas bench decode-rate: one round on the real model."""
 from __future__ import annotations
 
 import asyncio
 
-from benchmarks.decode_rate import run
+from kvcmas_agents.bench.decode_rate import measure
 from kvcmas_agents.switches import SWITCHES
 
 
 def test_each_way_of_decoding_is_reported_with_what_it_holds():
-    result = asyncio.run(run(1, 24))
+    result = asyncio.run(measure(1, 24))
     v = result["variants"]
     assert v["prefix"]["vs_prefix_median"] == 1.0 and v["prefix"]["reused_tokens"] == 0
     assert all(v[n]["reused_tokens"] > 1400 and v[n]["tok_s_median"] > 0 for n in ("kvcmas", "kvcmas-unkept", "kvcmas-copy"))

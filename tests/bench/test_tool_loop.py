@@ -1,13 +1,13 @@
-"""benchmarks/tool_loop: one round on the real model."""
+"""kvcmas bench tool-loop: one round on the real model."""
 from __future__ import annotations
 
 import asyncio
 
-from benchmarks.tool_loop import run
+from kvcmas_agents.bench.tool_loop import measure
 
 
 def test_continuing_turns_are_measured_on_the_same_prompts_in_both_modes():
-    result = asyncio.run(run(1, 8, 1))
+    result = asyncio.run(measure(1, 8, 1))
     prefix, kvcmas = result["modes"]["prefix"], result["modes"]["kvcmas"]
     assert len(prefix) == len(kvcmas) == 2
     # the reply is teacher-forced to prefix's, so every turn's prompt is the same tokens

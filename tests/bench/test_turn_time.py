@@ -1,16 +1,17 @@
-"""benchmarks/turn_time: one round on the real model, nothing declared."""
+"""kvcmas bench turn-time: one round on the real model, nothing declared."""
 from __future__ import annotations
 
 import asyncio
 
-from benchmarks.turn_time import LATER, run
+from kvcmas_agents.bench.team_history import LATER
+from kvcmas_agents.bench.turn_time import measure
 from kvcmas_agents import KVCMASConfig
 from kvcmas_agents.reuse.kvcmas.select import NEWEST_SPAN
 
 
 def test_later_agents_are_reported_with_their_phases_and_fidelity():
     settings = KVCMASConfig()
-    result = asyncio.run(run(1, {"prefix": ("prefix", KVCMASConfig()), "kvcmas": ("kvcmas", settings)}))
+    result = asyncio.run(measure(1, {"prefix": ("prefix", KVCMASConfig()), "kvcmas": ("kvcmas", settings)}))
     prefix, ours = result["modes"]["prefix"], result["modes"]["kvcmas"]
     assert result["history_tokens"] > 1400 and prefix["speedup_vs_prefix"] == 1.0
     for agent in LATER:

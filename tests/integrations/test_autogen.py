@@ -190,8 +190,7 @@ async def test_multimodal_user_message_is_rejected(client):
 
 def test_component_round_trip(engine):
     original = KVCMASClient("smollm2-135m-instruct", engine=engine, temperature=0.5, max_tokens=32, top_k=5,
-                            seed=7, stop=["END"], agent="writer", reuse="naive", recompute_ratio=0.2, rank=8,
-                            reference="chain")
+                            seed=7, stop=["END"], agent="writer", reuse=ReuseOptions("naive", 0.2, 8, "chain"))
     dumped = original.dump_component()
     assert dumped.component_type == "model"
     assert dumped.provider == "kvcmas_agents.integrations.autogen.KVCMASClient"
@@ -219,14 +218,35 @@ def test_shared_engine_is_created_with_kvcmas_unless_reuse_is_set(engine, monkey
 
 
 def test_reuse_knobs_reach_each_request(engine):
-    client = KVCMASClient(engine=engine, reuse="naive", rank=4)
+    client = KVCMASClient(engine=engine, reuse=ReuseOptions("naive", rank=4))
     assert client._prepare(HELLO, [], "auto", None, {}).reuse_options == ReuseOptions("naive", None, 4, None)
-    per_call = client._prepare(HELLO, [], "auto", None, {"reuse": "kvcmas", "recompute_ratio": 0.5})
+    # per call, knob by knob: a mode's name replaces only the mode
+    per_call = client._prepare(HELLO, [], "auto", None, {"reuse": ReuseOptions("kvcmas", recompute_ratio=0.5)})
     assert per_call.reuse_options == ReuseOptions("kvcmas", 0.5, 4, None)
+    assert client._prepare(HELLO, [], "auto", None, {"reuse": "prefix"}).reuse_options == ReuseOptions("prefix", rank=4)
+    assert KVCMASClient(reuse="naive")._to_config().reuse == "naive"
     with pytest.raises(ValueError, match="reuse must be"):
         KVCMASClient(reuse="everything")
     with pytest.raises(ValueError, match="reference"):
+        client._prepare(HELLO, [], "auto", None, {"reuse": ReuseOptions(reference="nowhere")})
+
+
+def test_the_separate_reuse_knobs_still_work_with_a_deprecation_warning(engine):
+    with pytest.warns(DeprecationWarning, match="rank as separate arguments"):
+        client = KVCMASClient(engine=engine, reuse="naive", rank=4)
+    assert client._reuse == ReuseOptions("naive", None, 4, None)
+    with pytest.warns(DeprecationWarning, match="recompute_ratio as separate arguments"):
+        per_call = client._prepare(HELLO, [], "auto", None, {"reuse": "kvcmas", "recompute_ratio": 0.5})
+    assert per_call.reuse_options == ReuseOptions("kvcmas", 0.5, 4, None)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="reference"):
         client._prepare(HELLO, [], "auto", None, {"reference": "nowhere"})
+    # a component saved with the separate fields loads into the one setting
+    old = {"provider": "kvcmas_agents.integrations.autogen.KVCMASClient", "component_type": "model",
+           "config": {"reuse": "naive", "recompute_ratio": 0.2, "rank": 8, "reference": "chain"}}
+    with pytest.warns(DeprecationWarning, match="KVCMASClientConfig"):
+        loaded = ChatCompletionClient.load_component(old)
+    assert loaded._reuse == ReuseOptions("naive", 0.2, 8, "chain")
+    assert loaded._to_config().reuse == ReuseOptions("naive", 0.2, 8, "chain") and loaded._to_config().rank is None
 
 
 async def test_openai_penalties_and_logit_bias_as_in_the_openai_client(engine):

@@ -355,15 +355,20 @@ def test_shared_engine_is_created_with_kvcmas_unless_reuse_is_set(engine_prefix,
 
 
 async def test_reuse_knobs_apply_per_request(engine_prefix):
-    llm = ChatKVCMAS(engine=engine_prefix, max_tokens=4, agent="reuse-knobs", reuse="naive", recompute_ratio=0.5)
+    llm = ChatKVCMAS(engine=engine_prefix, max_tokens=4, agent="reuse-knobs", reuse=ReuseOptions("naive", 0.5))
     msgs = [HumanMessage("hi")]
     assert llm._request(msgs, None, None, {})[1]["reuse_options"] == ReuseOptions("naive", 0.5, None, None)
-    assert llm._request(msgs, None, None, {"reuse": "kvcmas", "rank": 4})[1]["reuse_options"] == \
+    # per call, knob by knob: a mode's name replaces only the mode
+    assert llm._request(msgs, None, None, {"reuse": ReuseOptions("kvcmas", rank=4)})[1]["reuse_options"] == \
         ReuseOptions("kvcmas", 0.5, 4, None)
+    assert llm._request(msgs, None, None, {"reuse": "kvcmas"})[1]["reuse_options"] == ReuseOptions("kvcmas", 0.5)
+    assert ChatKVCMAS(reuse="naive").reuse == "naive"
     with pytest.raises(ValueError, match="reuse must be"):
         ChatKVCMAS(reuse="everything")
     with pytest.raises(ValueError, match="recompute_ratio"):
-        ChatKVCMAS(recompute_ratio=2.0)
+        ChatKVCMAS(reuse=ReuseOptions(recompute_ratio=2.0))
+    with pytest.raises(ValueError, match="reference"):
+        llm._request(msgs, None, None, {"reuse": ReuseOptions(reference="nowhere")})
 
     # On the prefix engine a repeated prompt is a cache hit, unless the request asks for no reuse.
     plain = ChatKVCMAS(engine=engine_prefix, max_tokens=4, agent="reuse-knobs")
@@ -374,6 +379,22 @@ async def test_reuse_knobs_apply_per_request(engine_prefix):
     miss = await plain.bind(reuse="none").ainvoke(prompt)
     assert miss.response_metadata["reuse"] == "none" and miss.response_metadata["cached_tokens"] == 0
     assert miss.usage_metadata["input_token_details"]["cache_read"] == 0
+
+
+def test_the_separate_reuse_knobs_still_work_with_a_deprecation_warning(engine_prefix):
+    with pytest.warns(DeprecationWarning, match="recompute_ratio, reference as separate arguments"):
+        llm = ChatKVCMAS(engine=engine_prefix, reuse="naive", recompute_ratio=0.5, reference="chain")
+    assert llm.reuse == ReuseOptions("naive", 0.5, None, "chain")
+    with pytest.warns(DeprecationWarning, match="read reuse.recompute_ratio"):
+        assert llm.recompute_ratio == 0.5
+    msgs = [HumanMessage("hi")]
+    with pytest.warns(DeprecationWarning, match="rank as separate arguments"):
+        options = llm._request(msgs, None, None, {"reuse": "kvcmas", "rank": 4})[1]["reuse_options"]
+    assert options == ReuseOptions("kvcmas", 0.5, 4, "chain")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="recompute_ratio"):
+        ChatKVCMAS(recompute_ratio=2.0)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="both in reuse and as separate"):
+        ChatKVCMAS(reuse=ReuseOptions(rank=8), rank=4)
 
 
 def test_token_counting_uses_the_chat_template(llm):
@@ -424,12 +445,14 @@ def test_constructor_arguments_map_warn_or_raise():
 
 
 def test_dumpd_and_loads_round_trip(llm):
-    original = ChatKVCMAS(engine=llm.engine, max_tokens=9, stop=["\n"], agent="writer", reuse="prefix", seed=3)
-    data = dumpd(original)
-    assert data["id"] == ["kvcmas_agents", "integrations", "langchain", "ChatKVCMAS"] and "engine" not in data["kwargs"]
-    loaded = loads(json.dumps(data), valid_namespaces=["kvcmas_agents"], allowed_objects=[ChatKVCMAS])
-    assert isinstance(loaded, ChatKVCMAS) and loaded.engine is None
-    assert loaded.model_dump(exclude={"engine"}) == original.model_dump(exclude={"engine"})
+    for reuse in ("prefix", ReuseOptions("kvcmas", 0.3, 16, "chain")):
+        original = ChatKVCMAS(engine=llm.engine, max_tokens=9, stop=["\n"], agent="writer", reuse=reuse, seed=3)
+        data = dumpd(original)
+        assert data["id"] == ["kvcmas_agents", "integrations", "langchain", "ChatKVCMAS"]
+        assert "engine" not in data["kwargs"]
+        loaded = loads(json.dumps(data), valid_namespaces=["kvcmas_agents"], allowed_objects=[ChatKVCMAS])
+        assert isinstance(loaded, ChatKVCMAS) and loaded.engine is None and loaded.reuse == reuse
+        assert loaded.model_dump(exclude={"engine"}) == original.model_dump(exclude={"engine"})
 
 
 def test_cache_read_is_the_kv_kept_as_is():

@@ -1,4 +1,4 @@
-"""Scale-out on Ray: throughput and TTFT of concurrent multi-agent workflows over 1, 2, 4 replicas.
+"""``kvcmas bench scale-out``: throughput and TTFT of concurrent multi-agent workflows over 1, 2, 4 replicas.
 
 W workflows run at once, each its own session: three agents (own system prompts) take turns over one
 growing history, so each workflow's turns reuse each other's KV on the replica the session sticks to.
@@ -8,10 +8,11 @@ generated tokens/s, and TTFT p50/p95 as the client sees it (stream start to firs
 CPU replicas share the machine's cores: each gets cores // replicas intra-op threads (at least 1), so
 more replicas than cores oversubscribe, and the JSON says so.
 
-    python -m benchmarks.scale_out [--replicas 1 2 4] [--workflows 4] [--turns 3] [--max-tokens 16]
+    kvcmas bench scale-out [--replicas 1 2 4] [--workflows 4] [--turns 3] [--max-tokens 16]
         [--reuse kvcmas] [--threads T] [--device cpu] [--address ADDR] [--tag TAG]
 
-Writes docs/results/scale_out/<tag>/scale_out.json and scale_out.md.
+Writes <out>/<tag>/scale_out.json and scale_out.md (default docs/results/scale_out/, from the checkout).
+Needs the ``ray`` extra.
 """
 from __future__ import annotations
 
@@ -19,17 +20,20 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import ray
+from ..engine import EngineConfig, SamplingParams
 
-from kvcmas_agents import EngineConfig, SamplingParams
-from kvcmas_agents.serve.ray_backend import RayBackend, RayBackendConfig
+if TYPE_CHECKING:
+    from ..serve.ray_backend import RayBackend
+
+HELP = "concurrent multi-agent workflows over 1, 2, 4 Ray replicas: throughput and TTFT (extra [ray])"
 
 AGENTS = {"planner": "You are the planner. Break the task into short numbered steps.",
           "coder": "You are the coder. Write the Python code the plan asks for.",
@@ -37,7 +41,7 @@ AGENTS = {"planner": "You are the planner. Break the task into short numbered st
 TASKS = ["merges overlapping intervals", "parses ISO 8601 durations", "computes a rolling median",
          "validates IPv4 addresses", "flattens nested dictionaries", "finds the longest palindrome",
          "schedules meetings without overlap", "deduplicates a stream of events"]
-RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results" / "scale_out"
+RESULTS = "docs/results/scale_out"
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -75,6 +79,7 @@ async def workflow(backend: RayBackend, index: int, turns: int, sampling: Sampli
 
 
 async def run_one(replicas: int, args: argparse.Namespace, cores: int) -> dict[str, Any]:
+    from ..serve.ray_backend import RayBackend, RayBackendConfig
     threads = args.threads or max(1, cores // replicas)
     config = RayBackendConfig(
         replicas=replicas, address=args.address, threads_per_replica=threads,
@@ -133,19 +138,23 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--workflows", type=int, default=4)
-    p.add_argument("--turns", type=int, default=3)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--reuse", default="kvcmas")
-    p.add_argument("--threads", type=int, default=None, help="threads per replica (default: cores // replicas)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--kv-budget-mib", type=int, default=256)
-    p.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
-    p.add_argument("--tag", default=None, help="results folder name (default: the git commit)")
-    args = p.parse_args(argv)
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--workflows", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--reuse", default="kvcmas")
+    parser.add_argument("--threads", type=int, default=None, help="threads per replica (default: cores // replicas)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--kv-budget-mib", type=int, default=256)
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    parser.add_argument("--tag", default=None, help="results folder name (default: the git commit)")
+    parser.add_argument("--out", default=RESULTS, help=f"where the <tag> folder goes (default {RESULTS})")
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
     cores = os.cpu_count() or 1
     tag = args.tag or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                      text=True).stdout.strip() or "untagged"
@@ -156,21 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         runs = []
         for n in args.replicas:
-            run = asyncio.run(run_one(n, args, cores))
-            print(json.dumps({k: v for k, v in run.items() if k != "turn_rows"}), flush=True)
-            runs.append(run)
+            one = asyncio.run(run_one(n, args, cores))
+            print(json.dumps({k: v for k, v in one.items() if k != "turn_rows"}), flush=True)
+            runs.append(one)
     finally:
         ray.shutdown()
-    result = {"tag": tag, "command": "python -m benchmarks.scale_out " + " ".join(argv or sys.argv[1:]),
+    argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "scale-out"] else []
+    result = {"tag": tag, "command": "kvcmas bench scale-out " + shlex.join(argv),
               "workflows": args.workflows, "turns": args.turns, "max_tokens": args.max_tokens,
               "reuse": args.reuse, "device": args.device, "cores": cores, "runs": runs}
-    out = RESULTS / tag
+    out = Path(args.out) / tag
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale_out.json").write_text(json.dumps(result, indent=1))
     (out / "scale_out.md").write_text(markdown(result))
     print(markdown(result))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,28 +1,14 @@
-"""Turn-time TTFT of later agents over one shared history, with nothing declared: where the time goes.
+"""One coding team's shared history, the prompts later agents send over it, and the lead agent that
+computes it: the common setting of ``kvcmas bench turn-time``, ``tool-loop`` and ``decode-rate``.
 
-A lead agent computes a shared history (a task and the replies of a coding team, about 1,450 tokens);
-then three more agents, each with its own system prompt and no edges or ``declare_agent``, read the same
-history plus a hand-off, one after another, and produce their first token. ``prefix`` prefills each
-later agent's whole prompt (it has no earlier prompt of its own); ``kvcmas`` reuses the lead's view and
-corrects it at turn time. Rounds alternate the modes in one process, so the ratios are side by side.
-
-Prints one JSON object: per mode, each later agent's TTFT (median over rounds), its phases
-(``RequestOutput.timings``: plan, select, recompute, compress, forward, ...), tokens reused and
-recomputed, and the first-token KL against ``prefix`` (exact).
-
-    python -m benchmarks.turn_time [--rounds 3] [--ratio 0.5 --ratio 0.2 ...] [--no-newest]
+A task and six replies of a planner, coder, reviewer and tester (about 1,450 tokens); each later agent
+sends its own system prompt, the task, the history and a hand-off, with no edges or ``declare_agent``.
 """
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import statistics
+from ..engine import Engine, SamplingParams
+from ..fidelity.scenario_texts import PIPELINE_SYSTEM, PIPELINE_TASK
 
-from kvcmas_agents import KVCMASConfig
-from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
-from kvcmas_agents.fidelity import kl
-from kvcmas_agents.fidelity.scenario_texts import PIPELINE_SYSTEM, PIPELINE_TASK
 
 FIRST = SamplingParams(max_tokens=1, return_logits=True)
 LEAD = "planner"
@@ -151,69 +137,3 @@ async def lead_history(engine: Engine) -> None:
     """The lead agent computes the shared history (its first token), so later agents can reuse it."""
     await engine.generate(prompt(LEAD, "planner: summarize the plan in one sentence."), agent=LEAD, sampling=FIRST)
 
-
-async def one_round(mode: str, kvcmas: KVCMASConfig) -> dict[str, dict]:
-    """A fresh engine: the lead computes the history, then each later agent's first token."""
-    engine = Engine(EngineConfig(reuse=mode, kvcmas=kvcmas))
-    try:
-        await lead_history(engine)
-        outs = {}
-        for agent, handoff in LATER.items():
-            out = await engine.generate(prompt(agent, handoff), agent=agent, sampling=FIRST)
-            outs[agent] = {"ttft_s": out.ttft_s, "timings": out.timings, "prompt_tokens": out.usage.prompt_tokens,
-                           "reused_tokens": out.usage.reused_tokens, "recomputed_tokens": out.usage.recomputed_tokens,
-                           "logits": out.logits[0]}
-        return outs
-    finally:
-        await engine.aclose()
-
-
-async def run(rounds: int, variants: dict[str, tuple[str, KVCMASConfig]]) -> dict:
-    """Each variant (name -> (reuse mode, KVCMAS settings); one must be "prefix", the exact reference)
-    over ``rounds`` fresh engines, rounds interleaved."""
-    runs: dict[str, list[dict]] = {name: [] for name in variants}
-    for _ in range(rounds):
-        for name, (mode, cfg) in variants.items():
-            runs[name].append(await one_round(mode, cfg))
-    exact = runs["prefix"][0]
-    result: dict = {"rounds": rounds, "modes": {}}
-    for name, rs in runs.items():
-        agents = {}
-        for agent in LATER:
-            first = rs[0][agent]
-            ttft = statistics.median(r[agent]["ttft_s"] for r in rs)
-            phases = {k: statistics.median(r[agent]["timings"].get(k, 0.0) for r in rs)
-                      for k in sorted({k for r in rs for k in r[agent]["timings"]})}
-            agents[agent] = {"ttft_s": ttft, "phases": phases, "prompt_tokens": first["prompt_tokens"],
-                             "reused_tokens": first["reused_tokens"], "recomputed_tokens": first["recomputed_tokens"],
-                             "first_token_kl": kl(exact[agent]["logits"], first["logits"]),
-                             "same_top1": bool(exact[agent]["logits"].argmax() == first["logits"].argmax())}
-        mean = statistics.mean(a["ttft_s"] for a in agents.values())
-        result["modes"][name] = {"agents": agents, "ttft_mean_s": mean}
-    # the shared history, as the reusing modes saw it (prefix reuses nothing across agents)
-    result["history_tokens"] = max(a["reused_tokens"] for m in result["modes"].values() for a in m["agents"].values())
-    base = result["modes"]["prefix"]["ttft_mean_s"]
-    for m in result["modes"].values():
-        m["speedup_vs_prefix"] = base / m["ttft_mean_s"]
-    return result
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--ratio", type=float, action="append",
-                   help="kvcmas recompute_ratio(s) to run, each a variant (default: the engine's default only)")
-    p.add_argument("--no-newest", action="store_true", help="also run kvcmas without recompute_newest")
-    args = p.parse_args()
-    variants: dict[str, tuple[str, KVCMASConfig]] = {"prefix": ("prefix", KVCMASConfig())}
-    for r in args.ratio or [None]:
-        name, knobs = ("kvcmas", {}) if r is None else (f"kvcmas@{r}", {"recompute_ratio": r})
-        variants[name] = ("kvcmas", KVCMASConfig(**knobs))
-        if args.no_newest:
-            variants[f"{name}-no-newest"] = ("kvcmas", KVCMASConfig(recompute_newest=False, **knobs))
-    result = asyncio.run(run(args.rounds, variants))
-    print(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,11 @@
-"""Tool calls on the default model: the answer-or-call decision (docs/tool_calls.md) and forced calls.
+"""``kvcmas bench tool-choice``: tool calls on the default model: the answer-or-call decision (docs/tool_calls.md) and forced calls.
 
   decide - for 36 requests (18 a tool is meant for, 18 not; 24 tuning, 12 held out), without a system
            prompt and with AutoGen's AssistantAgent default one: free decoding's calls, the score
            log p(<tool_call> | prompt), the decision at --threshold, and the reply's call;
   forced - forced calls: completion tokens, engine steps and seconds per call (jump-forward decoding).
 
-    python -m benchmarks.tool_choice                 # both; --only decide|forced; --json for raw rows
+    kvcmas bench tool-choice                 # both; --only decide|forced; --json for raw rows
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import json
 import time
 from typing import Any
 
-from kvcmas_agents import Engine, EngineConfig, SamplingParams, ToolDecision
+from ..engine import Engine, EngineConfig, SamplingParams, ToolDecision
+
+HELP = "the answer-or-call decision on 36 requests, and forced calls' steps and seconds"
 
 
 def fn(name: str, description: str, **props: str) -> dict[str, Any]:
@@ -126,14 +128,15 @@ def forced(engine: Engine, max_tokens: int) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", choices=("decide", "forced"))
     parser.add_argument("--threshold", type=float, default=ToolDecision().threshold)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print every row")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(reuse="prefix", num_threads=args.threads))
     try:
         if args.only != "forced":
@@ -144,7 +147,4 @@ def main() -> None:
                 print(json.dumps(row))
     finally:
         engine.close()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
-"""Decode rate of a later agent over a shared history: prefix against kvcmas's ways of decoding.
+"""``kvcmas bench decode-rate``: decode rate of a later agent over a shared history: prefix against kvcmas's ways of decoding.
 
-A lead agent computes the turn_time benchmark's shared history (about 1,600 tokens); a second agent,
+A lead agent computes the shared history of ``team_history`` (about 1,600 tokens); a second agent,
 with its own system prompt, reads it with a hand-off and takes its first token (its correction is
 computed then, nothing ahead of time). Then, per round, each variant decodes that agent's reply again
 (``ignore_eos``), rounds interleaved in one process so the ratios are side by side. Each variant runs on
@@ -18,7 +18,7 @@ and GNU OpenMP then sleeps and wakes on every parallel region, which the view's 
 Prints JSON: per variant, tok/s after the first token (per round and median), its median per-round
 ratio to prefix, and what the decode held besides the KV it shares (kept codes, or the copy's blocks).
 
-    python -m benchmarks.decode_rate [--rounds 5] [--tokens 64]
+    kvcmas bench decode-rate [--rounds 5] [--tokens 64]
 """
 from __future__ import annotations
 
@@ -27,11 +27,12 @@ import asyncio
 import json
 import statistics
 
-from benchmarks.turn_time import LATER, lead_history, prompt
-from kvcmas_agents import KVCMASConfig
-from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
-from kvcmas_agents.fidelity.caller_thread import single_threaded_caller
-from kvcmas_agents.switches import SWITCHES
+from ..engine import Engine, EngineConfig, KVCMASConfig, SamplingParams
+from ..fidelity.caller_thread import single_threaded_caller
+from ..switches import SWITCHES
+from .team_history import LATER, lead_history, prompt
+
+HELP = "a later agent's decode rate over a shared history: prefix against kvcmas's ways of decoding"
 
 VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-torch": ("kvcmas", {}),
             "kvcmas-unkept": ("kvcmas", {}),
@@ -59,7 +60,7 @@ async def _decode(engine: Engine, tokens: int) -> tuple[float, int, dict]:
     return (out.usage.completion_tokens - 1) / (out.latency_s - out.ttft_s), out.usage.reused_tokens, mid
 
 
-async def run(rounds: int, tokens: int, variants: dict[str, tuple[str, dict]] = VARIANTS) -> dict:
+async def measure(rounds: int, tokens: int, variants: dict[str, tuple[str, dict]] = VARIANTS) -> dict:
     rates: dict[str, list[float]] = {name: [] for name in variants}
     held: dict[str, int] = {}
     reused: dict[str, int] = {}
@@ -86,13 +87,11 @@ async def run(rounds: int, tokens: int, variants: dict[str, tuple[str, dict]] = 
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--tokens", type=int, default=64)
-    args = p.parse_args()
-    print(json.dumps(asyncio.run(run(args.rounds, args.tokens)), indent=1))
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens each variant decodes a round")
 
 
-if __name__ == "__main__":
-    main()
+def run(args: argparse.Namespace) -> int:
+    print(json.dumps(asyncio.run(measure(args.rounds, args.tokens)), indent=1))
+    return 0

@@ -1,4 +1,4 @@
-"""Per-token cost of grammar-constrained decoding (docs/structured_output.md).
+"""``kvcmas bench grammar-mask``: per-token cost of grammar-constrained decoding (docs/structured_output.md).
 
 Two figures on the default model's tokenizer (vocab 49,152):
   mask   - what the sampler adds per constrained row and token: filling the row's bitmask from its
@@ -6,7 +6,7 @@ Two figures on the default model's tokenizer (vocab 49,152):
   engine - decode time per token of one greedy request on the real engine, free vs. constrained to
            a JSON schema (the same prompt and token budget).
 
-    python -m benchmarks.grammar_mask            # CPU; --device cuda on a GPU; --mask-only for the first
+    kvcmas bench grammar-mask            # CPU; --device cuda on a GPU; --mask-only for the first
 """
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ import time
 
 import torch
 
-from kvcmas_agents import Engine, EngineConfig, SamplingParams
-from kvcmas_agents.model.grammar import GrammarSpec, apply_masks
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..model.grammar import GrammarSpec, apply_masks
+
+HELP = "per-token cost of grammar-constrained decoding: the mask step, and free vs constrained decode"
 
 SCHEMA = {"type": "object", "properties": {"setup": {"type": "string"}, "punchline": {"type": "string"},
                                            "rating": {"type": "integer"}},
@@ -78,13 +80,14 @@ def engine_cost(engine: Engine, repeats: int, max_tokens: int = 48) -> dict[str,
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="engine threads (default: torch's)")
-    ap.add_argument("--mask-only", action="store_true", help="skip the engine decode comparison")
-    args = ap.parse_args()
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="engine threads (default: torch's)")
+    parser.add_argument("--mask-only", action="store_true", help="skip the engine decode comparison")
+
+
+def run(args: argparse.Namespace) -> int:
     engine = Engine(EngineConfig(reuse="none", device=args.device, num_threads=args.threads))
     try:
         result = {"device": str(engine.device), "threads": engine.num_threads, **mask_cost(engine, args.repeats)}
@@ -93,7 +96,4 @@ def main() -> None:
     finally:
         engine.close()
     print(json.dumps(result, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

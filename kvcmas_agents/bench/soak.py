@@ -1,7 +1,7 @@
-"""Soak: minutes of concurrent agent requests over a growing shared history under a small KV budget, with
+"""``kvcmas bench soak``: minutes of concurrent agent requests over a growing shared history under a small KV budget, with
 random cancellations. Reports throughput, p95 TTFT and memory over time (JSON + a plot). Not run in CI.
 
-    python -m benchmarks.soak [--minutes 3] [--budget-blocks 64] [--reuse kvcmas] [--cancel 0.2]
+    kvcmas bench soak [--minutes 3] [--budget-blocks 64] [--reuse kvcmas] [--cancel 0.2]
 
 Checks on the way: every request ends (an answer, a cancellation, or one of the engine's own errors),
 the worker stays alive, and at the end no request holds KV and memory is within the budget at rest.
@@ -13,11 +13,12 @@ import asyncio
 import json
 import random
 import resource
-import sys
 import time
 from pathlib import Path
 
-from kvcmas_agents import Engine, EngineConfig, EngineError, InvalidRequestError, SamplingParams
+from ..engine import Engine, EngineConfig, EngineError, InvalidRequestError, SamplingParams
+
+HELP = "minutes of concurrent agents under a small KV budget with random cancellations (JSON + plot)"
 
 TOPICS = "parsing storage testing logging packaging docs errors caching".split()
 
@@ -97,7 +98,7 @@ def plot(series: list[dict], budget: int, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-async def run(args: argparse.Namespace) -> dict:
+async def soak(args: argparse.Namespace) -> dict:
     probe = Engine(EngineConfig(reuse="none", kv_budget_bytes=2**20 * 64))
     block_bytes = probe.store.block_bytes
     probe.close()
@@ -130,19 +131,24 @@ async def run(args: argparse.Namespace) -> dict:
             "series": log["series"]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=3.0)
-    ap.add_argument("--budget-blocks", type=int, default=64, help="KV budget in blocks of the default model")
-    ap.add_argument("--reuse", default="kvcmas")
-    ap.add_argument("--agents", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=16, help="max_tokens per request")
-    ap.add_argument("--cancel", type=float, default=0.2, help="share of requests cancelled part way")
-    ap.add_argument("--max-history", type=int, default=40, help="messages the shared history grows to")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results/soak")
-    args = ap.parse_args(argv)
-    report = asyncio.run(run(args))
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=3.0)
+    parser.add_argument("--budget-blocks", type=int, default=64, help="KV budget in blocks of the default model")
+    parser.add_argument("--reuse", default="kvcmas")
+    parser.add_argument("--agents", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=16, help="max_tokens per request")
+    parser.add_argument("--cancel", type=float, default=0.2, help="share of requests cancelled part way")
+    parser.add_argument("--max-history", type=int, default=40, help="messages the shared history grows to")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="benchmarks/results/soak")
+
+
+SETTINGS = ("minutes", "budget_blocks", "reuse", "agents", "tokens", "cancel", "max_history", "seed", "out")
+
+
+def run(args: argparse.Namespace) -> int:
+    args = argparse.Namespace(**{k: getattr(args, k) for k in SETTINGS})    # the report's settings: these only
+    report = asyncio.run(soak(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -150,7 +156,3 @@ def main(argv: list[str] | None = None) -> int:
     summary = {k: v for k, v in report.items() if k != "series"}
     print(json.dumps(summary, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

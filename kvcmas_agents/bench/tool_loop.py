@@ -1,7 +1,7 @@
-"""An agent's continuing turns (a tool loop): what a later agent's next turn costs once it has read a
+"""``kvcmas bench tool-loop``: an agent's continuing turns (a tool loop): what a later agent's next turn costs once it has read a
 shared history.
 
-A lead agent computes the turn_time benchmark's shared history (about 1,600 tokens); a second agent,
+A lead agent computes the shared history of ``team_history`` (about 1,600 tokens); a second agent,
 with its own system prompt, reads it with a hand-off and replies (up to ``reply`` tokens, to its stop
 token; the same tokens in every mode: prefix's greedy reply, teacher-forced elsewhere). Then the same agent takes ``turns`` more
 turns, each its whole previous prompt plus its reply (or a short acknowledgement) and a tool result, as
@@ -11,7 +11,7 @@ fresh engines, so the ratios are side by side.
 Prints JSON: per mode and turn, TTFT (median over rounds), the prompt tokens it found cached, reused
 and computed, and the first-token KL against prefix on the same prompt.
 
-    python -m benchmarks.tool_loop [--rounds 3] [--reply 40] [--turns 2]
+    kvcmas bench tool-loop [--rounds 3] [--reply 40] [--turns 2]
 """
 from __future__ import annotations
 
@@ -20,9 +20,11 @@ import asyncio
 import json
 import statistics
 
-from benchmarks.turn_time import FIRST, LATER, lead_history, prompt
-from kvcmas_agents.engine import Engine, EngineConfig, SamplingParams
-from kvcmas_agents.fidelity import kl
+from ..engine import Engine, EngineConfig, SamplingParams
+from ..fidelity import kl
+from .team_history import FIRST, LATER, lead_history, prompt
+
+HELP = "an agent's continuing turns (tool results) after reading a shared history: TTFT per turn"
 
 MODES = ("prefix", "kvcmas")
 TOOL_RESULTS = ["tool result: 12 of 14 tests passed; failing: test_touching_intervals, test_unsorted_input.",
@@ -63,7 +65,7 @@ def _row(out) -> dict:
             "logits": out.logits[0] if out.logits is not None else None}
 
 
-async def run(rounds: int, reply: int, turns: int) -> dict:
+async def measure(rounds: int, reply: int, turns: int) -> dict:
     runs: dict[str, list[list[dict]]] = {m: [] for m in MODES}
     forced = None
     for _ in range(rounds):
@@ -87,14 +89,12 @@ async def run(rounds: int, reply: int, turns: int) -> dict:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--reply", type=int, default=40)
-    p.add_argument("--turns", type=int, default=2)
-    args = p.parse_args()
-    print(json.dumps(asyncio.run(run(args.rounds, args.reply, args.turns)), indent=1))
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reply", type=int, default=40, help="most tokens of the agent's first reply")
+    parser.add_argument("--turns", type=int, default=2, help="tool turns after the first")
 
 
-if __name__ == "__main__":
-    main()
+def run(args: argparse.Namespace) -> int:
+    print(json.dumps(asyncio.run(measure(args.rounds, args.reply, args.turns)), indent=1))
+    return 0
