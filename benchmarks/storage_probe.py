@@ -184,7 +184,7 @@ def held(engine: Engine, read: set) -> list[dict[str, Any]]:
         own = corr.own
         out.append({"agent": corr.agent, "rows": own.num_rows,
                     "bytes": own.nbytes - unique_nbytes([own], bases_only=True),
-                    "storage": "rows" if own.bk is None else "factored", "read": key in read})
+                    "storage": "rows" if own.k.b is None else "factored", "read": key in read})
     return out
 
 
