@@ -65,7 +65,7 @@ def timed_engine(timers: Timers) -> Iterator[None]:
     def attention(self: Any, layer: int, q: Any, k: Any, v: Any) -> str:
         return "decode_attention" if q.shape[0] == len(self.slices) else "prompt_attention"
 
-    def correct(self: Any, req: Any) -> str:
+    def correct(self: Any, view: Any) -> str:
         return "corrections_ahead" if timers.ahead else "corrections_at_turn"
 
     def always(name: str) -> Callable[..., str]:

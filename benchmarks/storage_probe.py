@@ -56,9 +56,9 @@ def capture(engine: Engine) -> Iterator[list[dict[str, Any]]]:
     def record(dk: torch.Tensor, dv: torch.Tensor) -> None:
         calls.append({**current, "rows": dk.shape[2], "dk": dk.float().cpu(), "dv": dv.float().cpu()})
 
-    def on_recompute(req, *args, **kwargs):
-        current.update(agent=req.agent, request=req.request_id)
-        return recompute(req, *args, **kwargs)
+    def on_recompute(view, *args, **kwargs):
+        current.update(agent=view.req.agent, request=view.req.request_id)
+        return recompute(view, *args, **kwargs)
 
     def on_single(dk, dv, *args, **kwargs):
         record(dk, dv)
