@@ -40,7 +40,7 @@ class Row:
 
 
 def _case(ctx: int, tq: int, args, device: torch.device, dtype: torch.dtype, gen: torch.Generator):
-    from kvcmas_agents.reuse.storage.delta import LowRankDelta
+    from kvcmas_agents.reuse.storage.delta import DeltaSide, LowRankDelta
     from kvcmas_agents.reuse.realign import Realigner
     from kvcmas_agents.model.rope import inv_frequencies
     from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece
@@ -59,8 +59,8 @@ def _case(ctx: int, tq: int, args, device: torch.device, dtype: torch.dtype, gen
         n, r = b - a, args.rank
         rows = torch.randperm(n, generator=gen)[: int(args.row_frac * n)].sort().values
         f = lambda *shape: (0.1 * torch.randn(*shape, generator=gen)).to(device, dtype)  # noqa: E731
-        d = LowRankDelta(rows.to(device), f(1, kvh, rows.numel(), r), f(1, kvh, r, dim),
-                         f(1, kvh, rows.numel(), r), f(1, kvh, r, dim))
+        d = LowRankDelta(rows.to(device), DeltaSide(f(1, kvh, rows.numel(), r), f(1, kvh, r, dim)),
+                         DeltaSide(f(1, kvh, rows.numel(), r), f(1, kvh, r, dim)))
         pieces.append(SegmentPiece(slots[a:b].to(device), torch.arange(a, b, device=device), 37 * (i + 1) - 11,
                                    [d] if r > 0 else []))
     pieces.append(OwnPiece(slots[ctx - tail:].to(device), torch.arange(ctx - tail, ctx, device=device)))

@@ -56,9 +56,9 @@ def capture(engine: Engine) -> Iterator[list[dict[str, Any]]]:
     def record(dk: torch.Tensor, dv: torch.Tensor) -> None:
         calls.append({**current, "rows": dk.shape[2], "dk": dk.float().cpu(), "dv": dv.float().cpu()})
 
-    def on_recompute(req, *args, **kwargs):
-        current.update(agent=req.agent, request=req.request_id)
-        return recompute(req, *args, **kwargs)
+    def on_recompute(view, *args, **kwargs):
+        current.update(agent=view.req.agent, request=view.req.request_id)
+        return recompute(view, *args, **kwargs)
 
     def on_single(dk, dv, *args, **kwargs):
         record(dk, dv)
@@ -184,7 +184,7 @@ def held(engine: Engine, read: set) -> list[dict[str, Any]]:
         own = corr.own
         out.append({"agent": corr.agent, "rows": own.num_rows,
                     "bytes": own.nbytes - unique_nbytes([own], bases_only=True),
-                    "storage": "rows" if own.bk is None else "factored", "read": key in read})
+                    "storage": "rows" if own.k.b is None else "factored", "read": key in read})
     return out
 
 

@@ -28,9 +28,9 @@ def selection_queries(monkeypatch):
     queries: list[int] = []
     real = select.MassBackend
 
-    def backend(method, pieces, write_slots, q_positions, spans, skip=0):
+    def backend(ctx, pieces, write_slots, q_positions, spans, skip=0):
         queries.append(q_positions.numel())
-        return real(method, pieces, write_slots, q_positions, spans, skip)
+        return real(ctx, pieces, write_slots, q_positions, spans, skip)
 
     monkeypatch.setattr(select, "MassBackend", backend)
     return queries

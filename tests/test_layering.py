@@ -42,6 +42,10 @@ REUSE_FORBIDDEN = [
     ("reuse.views", "reuse."),               # only storage, realign and views
     ("reuse.kvcmas", "reuse.baselines"),
     ("reuse.baselines", "reuse.kvcmas"),
+    # correction, selection and prefetch read a RequestView, never the method class (issue 46)
+    ("reuse.kvcmas.correction", "reuse.cross_agent"),
+    ("reuse.kvcmas.select", "reuse.cross_agent"),
+    ("reuse.kvcmas.prefetch", "reuse.cross_agent"),
 ]
 REUSE_EXCEPT = {"reuse.storage": ("reuse.storage",), "reuse.realign": ("reuse.storage",),
                 "reuse.views": ("reuse.storage", "reuse.realign", "reuse.views")}

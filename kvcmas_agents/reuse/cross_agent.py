@@ -11,21 +11,20 @@ Per request of agent X (docs/method.md):
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
 
 from .base import ReuseMethod, ReuseRequest
-from .pieces import ReusePiece
+from .pieces import MAX_FRAME, ReusePiece
 from .recompute import LayerHook, recompute
 from .registry import register
+from .request_view import RequestView, attention_pieces, row_spans
 from .segments import HomeView, context_key
 from .views import build_view
 from .views.dense import gathered_kv
 from .views.gather import GatheredView, build_gathered
-from .views.reference import OwnPiece, SegmentPiece
-
-MAX_FRAME = 16          # tokens of role header and trailer around a decoded reply inside its message
 
 
 class CrossAgentMethod(ReuseMethod):
@@ -141,6 +140,10 @@ class CrossAgentMethod(ReuseMethod):
             for p in new:
                 p.pending = False
 
+    def request_view(self, req: ReuseRequest) -> RequestView:
+        """The request's plan as correction and selection read it, with this method's recompute loop."""
+        return RequestView(req, self.ctx, partial(self.recompute_over_view, req))
+
     def recompute_over_view(self, req: ReuseRequest, rows: dict[int, torch.Tensor],
                             on_layer: LayerHook | None = None) -> dict[int, slice]:
         """Recompute ``rows`` (local to each piece, by the piece's id) layer by layer over the request's
@@ -149,10 +152,10 @@ class CrossAgentMethod(ReuseMethod):
         returned, in position order."""
         ctx, dev = self.ctx, self.ctx.device
         order = [p for p in req.pieces if id(p) in rows]                       # position order
-        spans = self.row_spans(req, rows)
+        spans = row_spans(req.pieces, rows)
         positions = torch.cat([p.start + rows[id(p)].to(dev) for p in order])
         new = [(ctx.store.slots(req.blocks, p.start, p.end), spans[id(p)]) for p in order if p.home is None]
-        view = build_gathered(self.pieces_for(req, req.reuse_end), ctx.realigner, dev, ctx.store.k.dtype)
+        view = build_gathered(attention_pieces(req, ctx, req.reuse_end), ctx.realigner, dev, ctx.store.k.dtype)
 
         def hook(layer, pos, k_old, v_old, k_new, v_new):
             for slots, span in new:                         # new text: exact, kept in own blocks
@@ -166,60 +169,28 @@ class CrossAgentMethod(ReuseMethod):
                       lambda layer: gathered_kv(view, ctx.store.k[layer], ctx.store.v[layer], layer), hook)
         return spans
 
-    @staticmethod
-    def row_spans(req: ReuseRequest, rows: dict[int, torch.Tensor]) -> dict[int, slice]:
-        """Where each piece's rows sit among all recomputed rows (pieces in position order)."""
-        spans, offset = {}, 0
-        for p in req.pieces:
-            if id(p) in rows:
-                spans[id(p)] = slice(offset, offset + rows[id(p)].numel())
-                offset += rows[id(p)].numel()
-        return spans
-
     # --- attention layout ------------------------------------------------------------------------
     def view(self, req: ReuseRequest, end: int) -> Any:
         if not req.pieces or end <= req.own_prefix_end:
             return None
         if self.ctx.view_path == "gather":
             return self.gathered_view(req, end)
-        return build_view(self.ctx.view_path, self.pieces_for(req, end), self.ctx.realigner, self.ctx.device,
-                          self.ctx.store.k.dtype)
-
-    def pieces_for(self, req: ReuseRequest, end: int, include_new: bool = True) -> list:
-        """The view-attention pieces of a request's context [0, end); include_new=False leaves out
-        new spans between reused ones (their KV is not computed yet)."""
-        out: list = []
-        a, b = req.own_prefix_end, req.reuse_end
-        if a > 0:
-            out.append(self.own_piece(req, 0, min(a, end)))
-        for p in req.pieces:
-            if p.home is None or p.private:
-                if p.start < end and (include_new or p.private):
-                    out.append(self.own_piece(req, p.start, min(p.end, end)))
-                continue
-            out.append(SegmentPiece(p.home.slots, torch.arange(p.start, p.end, device=self.ctx.device),
-                                    p.delta, p.chain))
-        if end > b:
-            out.append(self.own_piece(req, b, end))
-        return out
+        return build_view(self.ctx.view_path, attention_pieces(req, self.ctx, end), self.ctx.realigner,
+                          self.ctx.device, self.ctx.store.k.dtype)
 
     def gathered_view(self, req: ReuseRequest, end: int) -> GatheredView:
         """The gather path's layout of a request's context [0, end). The reused part [0, reuse_end) is
         laid out once and kept on the request, so a decode step only appends its own tail's slots."""
         ctx, b = self.ctx, req.reuse_end
         if end <= b:
-            return build_gathered(self.pieces_for(req, end), ctx.realigner, ctx.device, ctx.store.k.dtype)
+            return build_gathered(attention_pieces(req, ctx, end), ctx.realigner, ctx.device, ctx.store.k.dtype)
         key = (b, req.own_prefix_end, tuple((p.start, p.end, len(p.chain), p.pending, p.private) for p in req.pieces))
         if req.view_base is None or req.view_base[0] != key:
-            view = replace(build_gathered(self.pieces_for(req, b), ctx.realigner, ctx.device, ctx.store.k.dtype),
-                           keep=True)
+            view = replace(build_gathered(attention_pieces(req, ctx, b), ctx.realigner, ctx.device,
+                                          ctx.store.k.dtype), keep=True)
             req.view_base = (key, view)
             self.kept_views[id(req)] = view
         return req.view_base[1].extend(ctx.store.slots(req.blocks, b, end))
-
-    def own_piece(self, req: ReuseRequest, start: int, end: int) -> OwnPiece:
-        return OwnPiece(self.ctx.store.slots(req.blocks, start, end),
-                        torch.arange(start, end, device=self.ctx.device))
 
     def copy_view(self, req: ReuseRequest) -> bool:
         """Write the request's view of [0, reuse_end) (realigned, corrected) into blocks of its own, so that
@@ -233,7 +204,7 @@ class CrossAgentMethod(ReuseMethod):
         if got is None:
             return False
         store = ctx.store
-        view = build_gathered(self.pieces_for(req, b), ctx.realigner, ctx.device, store.k.dtype)
+        view = build_gathered(attention_pieces(req, ctx, b), ctx.realigner, ctx.device, store.k.dtype)
         for i, blk in zip(holes, got):
             req.blocks[i] = blk
         dst = store.slots(req.blocks, 0, b)

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from .segments import Correction, HomeView
 from .storage.delta import LowRankDelta
 
+MAX_FRAME = 16          # tokens of role header and trailer around a decoded reply inside its message
+
 
 @dataclass
 class ReusePiece:

@@ -108,4 +108,4 @@ class Realigner:
         """A copy with the shift applied (B_k rotated, in fp32) and shift 0: for oracles and ``compose``."""
         if not state.shift:
             return state
-        return replace(state, bk=self.key_basis(state).stored(), sk=None, shift=0)
+        return replace(state, k=replace(state.k, b=self.key_basis(state).stored(), basis_scale=None), shift=0)

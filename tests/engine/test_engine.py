@@ -266,9 +266,9 @@ async def test_a_corrected_request_starts_before_the_next_correction_runs():
     events: list[tuple[str, str]] = []
     correct, run = eng.methods["kvcmas"].corrector.correct, eng.runner.run
 
-    def logged_correct(req):
-        events.append(("correct", req.agent))
-        return correct(req)
+    def logged_correct(view):
+        events.append(("correct", view.req.agent))
+        return correct(view)
 
     def logged_run(items):
         events.extend(("first token", it.request.agent) for it in items if it.samples and not it.request.output_ids)

@@ -74,8 +74,8 @@ async def test_a_failing_correction_falls_back_to_an_exact_prefill(monkeypatch, 
         prompts = await _agent_turns(engine)
         real, calls = correction.Corrector.correct, []
 
-        def broken(self, req):
-            calls.append(req.request_id)
+        def broken(self, view):
+            calls.append(view.req.request_id)
             raise RuntimeError("injected correction fault")
         monkeypatch.setattr(correction.Corrector, "correct", broken)
         before = engine.stats()["counters"]

@@ -111,8 +111,8 @@ def test_int8_factors_match_oracle(dtype, int8_basis, u8):
     q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=11,
                                                         factors=torch.int8, int8_basis=int8_basis, u8=u8)
     seg = pieces[1]
-    assert seg.deltas[0].uk.dtype == torch.int8 and seg.deltas[0].tk == (8 if u8 else 0)
-    assert seg.deltas[0].bk.dtype == (torch.int8 if int8_basis else torch.bfloat16)
+    assert seg.deltas[0].k.u.dtype == torch.int8 and seg.deltas[0].k.tail4 == (8 if u8 else 0)
+    assert seg.deltas[0].k.b.dtype == (torch.int8 if int8_basis else torch.bfloat16)
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
                              [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
     _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
@@ -126,7 +126,7 @@ def test_value_rows_match_oracle(dtype, bits):
     q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=13,
                                                         factors=torch.int8, value_bits=bits)
     seg = pieces[1]
-    assert seg.deltas[0].bv is None and seg.deltas[0].value_coeffs().bits == bits
+    assert seg.deltas[0].v.b is None and seg.deltas[0].value_coeffs().bits == bits
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
                              [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
     _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
@@ -139,7 +139,8 @@ def test_key_and_value_rows_match_oracle(dtype):
     q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 2, 5, dtype, seed=17,
                                                         factors=torch.int8, value_bits=4, key_bits=4)
     seg = pieces[1]
-    assert seg.deltas[0].bk is None and seg.deltas[0].key_coeffs().bits == 4 and seg.deltas[0].ck is not None
+    keys = seg.deltas[0].k
+    assert keys.b is None and seg.deltas[0].key_coeffs().bits == 4 and keys.channel_scale is not None
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta,
                              [realigner.rotate_delta(seg.deltas[0], 9)] + seg.deltas[1:])
     _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)
@@ -152,12 +153,13 @@ def test_small_row_states_beside_factored_ones_match_oracle(dtype):
     q, qp, pieces, kc, vc, scale, realigner = _scenario(64, 3, 2, 16, "some", 1, 5, dtype, seed=19,
                                                         factors=torch.int8, small_rows=True)
     small = pieces[1].deltas[0]
-    assert small.bk is None and small.bv is None and small.key_coeffs().bits == 8 and small.ck is not None
+    assert small.k.b is None and small.v.b is None
+    assert small.key_coeffs().bits == 8 and small.k.channel_scale is not None
     g = torch.Generator().manual_seed(3)
     rows = torch.arange(0, 37, 2)
     dk, dv = (0.5 * torch.randn(LAYERS, 2, rows.numel(), 64, generator=g) for _ in range(2))
     factored = compress(dk, dv, rows, 8, Format(torch.int8)).to(DEV)
-    assert factored.bk is not None
+    assert factored.k.b is not None
     seg = pieces[1]
     pieces[1] = SegmentPiece(seg.slots, seg.positions, seg.delta, [realigner.rotate_delta(small, 9), factored])
     _check((q, qp, pieces, kc, vc, scale, realigner), dtype, 16)

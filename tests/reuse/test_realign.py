@@ -124,18 +124,18 @@ def test_rotate_delta_rotates_reconstructed_key_rows_without_a_copy(int8):
     devs = torch.randn(layers, heads, nrows, HEAD_DIM), torch.randn(layers, heads, nrows, HEAD_DIM)
     state = compress(*devs, torch.tensor([0, 2, 3, 7, 9]), 4, Format(torch.int8 if int8 else None, int8_basis=int8))
     moved = realigner.rotate_delta(realigner.rotate_delta(state, 40), 2)
-    assert moved.shift == 42 and moved.bk is state.bk and moved.sk is state.sk    # shared, not copied
+    assert moved.shift == 42 and moved.k is state.k and moved.v is state.v    # shared, not copied
     with pytest.raises(ValueError, match="owe a rotation"):
         moved.dense(0)
     settled = realigner.settle(moved)
-    assert settled.shift == 0 and settled.sk is None
+    assert settled.shift == 0 and settled.k.basis_scale is None
     for layer in range(layers):
         dk, dv = state.dense(layer)
         mk, mv = settled.dense(layer)
         torch.testing.assert_close(mk, realigner.rotate_keys(dk, 42), rtol=0, atol=1e-4)
         torch.testing.assert_close(mv, dv)
-        torch.testing.assert_close(realigner.key_basis(moved).at(layer), settled.bk[layer])
-    assert not torch.allclose(settled.bk, state.key_basis().at())
+        torch.testing.assert_close(realigner.key_basis(moved).at(layer), settled.k.b[layer])
+    assert not torch.allclose(settled.k.b, state.key_basis().at())
     assert realigner.settle(state) is state
 
 

@@ -13,6 +13,7 @@ from ..base import ReuseRequest
 from ..cross_agent import CrossAgentMethod
 from ..pieces import ReusePiece
 from ..recompute import LayerHook, recompute
+from ..request_view import attention_pieces
 
 
 class PrivateCopyMethod(CrossAgentMethod):
@@ -36,7 +37,7 @@ class PrivateCopyMethod(CrossAgentMethod):
         """Recompute the KV of prompt tokens at sorted ``positions`` (< reuse_end) under the request's
         context as it stands in its blocks, and write it there in place (``recompute.recompute``)."""
         store = self.ctx.store
-        ctx_slots = torch.cat([pc.slots for pc in self.pieces_for(req, req.reuse_end)])   # position order
+        ctx_slots = torch.cat([pc.slots for pc in attention_pieces(req, self.ctx, req.reuse_end)])   # position order
 
         def write(layer, pos, k_old, v_old, k_new, v_new):
             keep = hook(layer, pos, k_old, v_old, k_new, v_new) if hook is not None else None

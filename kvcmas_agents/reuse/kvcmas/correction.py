@@ -5,7 +5,7 @@ Per request of agent X, once X's own prefix is computed:
   reference - the realigned home view ("home"), or X's graph predecessor's corrected view ("chain");
   select    - rows ranked by the attention mass of X's tail (``select.py``);
   recompute - the selected rows (and any new text between reused spans) layer by layer under X's
-              context, through the shared loop (``CrossAgentMethod.recompute_over_view``);
+              context, through the method's loop (``RequestView.recompute``);
   compress  - their deviation as a rank-r truncated SVD per layer and KV head (or quantized rows),
               stored as ``StorageSpec`` says, from the first layer that holds a real share of it.
 Corrections persist: X never re-corrects a segment at the same place and context.
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..base import ReuseRequest
-from ..cross_agent import CrossAgentMethod
+from ..base import ReuseContext, ReuseRequest
 from ..pieces import ReusePiece
+from ..request_view import RequestView
 from ..segments import Correction
 from ..storage.codec import Format, compress, compress_joint
 from ..storage.delta import LowRankDelta
@@ -35,8 +35,8 @@ UNCORRECTED_LAYERS = 1
 class Corrector:
     """Computes and stores the corrections of a KVCMAS method's requests; counts what it left out."""
 
-    def __init__(self, method: CrossAgentMethod, storage: StorageSpec, newest_whole: bool):
-        self.method, self.ctx = method, method.ctx
+    def __init__(self, ctx: ReuseContext, storage: StorageSpec, newest_whole: bool):
+        self.ctx = ctx
         self.storage, self.fmt = storage, storage.format()
         self.newest_whole = newest_whole
         self.layers_dropped = 0        # leading layers past UNCORRECTED_LAYERS not stored, summed over requests
@@ -45,7 +45,9 @@ class Corrector:
         self.selections_skipped = 0    # passes not run: they would have spared fewer rows than they cost
 
     @torch.inference_mode()
-    def correct(self, req: ReuseRequest) -> None:
+    def correct(self, view: RequestView) -> None:
+        """Correct the request's pending pieces and compute its new text (``view``: its plan)."""
+        req = view.req
         pending = [p for p in req.pieces if p.pending and p.home is not None]
         new = [p for p in req.pieces if p.home is None]
         if not (pending or new):
@@ -55,10 +57,10 @@ class Corrector:
         rows: list[torch.Tensor] = []
         if pending:
             with req.timings.phase("select"):
-                rows, how = select_rows(self.method, req, pending, self.newest_whole)
+                rows, how = select_rows(view, pending, self.newest_whole)
             self.selections_capped += how == "capped"
             self.selections_skipped += how == "skipped"
-        self._recompute(req, pending, rows, new)
+        self._recompute(view, pending, rows, new)
 
     def _reference_chain(self, req: ReuseRequest, piece: ReusePiece) -> list[LowRankDelta]:
         if req.options.reference != "chain":
@@ -69,11 +71,11 @@ class Corrector:
                 return [self.ctx.realigner.rotate_delta(d, shift) for d in corr.chain]
         return []
 
-    def _recompute(self, req: ReuseRequest, pending: list[ReusePiece], rows: list[torch.Tensor],
+    def _recompute(self, view: RequestView, pending: list[ReusePiece], rows: list[torch.Tensor],
                    new: list[ReusePiece]) -> None:
         """Recompute the selected rows of pending pieces and every row of new spans; compress and store
         the pending pieces' deviations."""
-        m = self.ctx.model
+        req, m = view.req, self.ctx.model
         sel = {id(p): r for p, r in zip(pending, rows)}
         sel.update({id(p): torch.arange(p.end - p.start) for p in new})
         if sum(r.numel() for r in sel.values()) == 0:
@@ -81,7 +83,7 @@ class Corrector:
                 self._store(req, p, LowRankDelta.empty(m.args.num_layers, m.args.num_kv_heads, m.args.head_dim,
                                                         m.dtype, m.device), 0)
             return
-        spans = self.method.row_spans(req, sel)
+        spans = view.row_spans(sel)
         dks: dict[int, list] = {id(p): [] for p in pending}
         dvs: dict[int, list] = {id(p): [] for p in pending}
 
@@ -91,7 +93,7 @@ class Corrector:
                 dks[id(p)].append((k_new[s] - k_old[s]).permute(1, 0, 2))
                 dvs[id(p)].append((v_new[s] - v_old[s]).permute(1, 0, 2))
 
-        self.method.recompute_over_view(req, sel, capture)
+        view.recompute(sel, capture)
         for p in new:
             p.pending = False
         if pending:

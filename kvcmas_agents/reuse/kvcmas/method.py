@@ -24,8 +24,8 @@ class KVCMAS(CrossAgentMethod):
     def __init__(self, ctx: ReuseContext, settings: KVCMASConfig | None = None):
         super().__init__(ctx, settings or KVCMASConfig())
         s = self.settings
-        self.corrector = Corrector(self, s.storage, s.recompute_newest)
-        self.prefetcher = Prefetcher(self, s.prefetch_ratio) if s.prefetch != "off" else None
+        self.corrector = Corrector(ctx, s.storage, s.recompute_newest)
+        self.prefetcher = Prefetcher(ctx, self.plan, self.prepare, s.prefetch_ratio) if s.prefetch != "off" else None
         self.decode_copies = self.decode_copy_blocks = 0
 
     @classmethod
@@ -51,7 +51,7 @@ class KVCMAS(CrossAgentMethod):
         super().release(req)
 
     def prepare(self, req: ReuseRequest) -> None:
-        self.corrector.correct(req)
+        self.corrector.correct(self.request_view(req))
 
     def on_computed(self, req: ReuseRequest) -> None:
         first = not req.registered and not req.in_prefill

@@ -18,10 +18,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from ...chat.template import RenderedPrompt, Segment
-from ..base import ReuseRequest
-from ..cross_agent import CrossAgentMethod
+from ..base import ReuseContext, ReuseRequest
 from ..options import ReuseOptions
 
 
@@ -58,10 +58,15 @@ def _leading_prefix(req: ReuseRequest) -> int:
 
 
 class Prefetcher:
-    """Queues and runs a KVCMAS method's ahead-of-time corrections, one pending per agent."""
+    """Queues and runs a KVCMAS method's ahead-of-time corrections, one pending per agent.
 
-    def __init__(self, method: CrossAgentMethod, ratio: float = 0.0):
-        self.method, self.ctx = method, method.ctx
+    ``plan`` and ``prepare`` are the method's steps for a request (``ReuseMethod``), run on each
+    predicted side request: the prefetcher needs no more of the method than these two.
+    """
+
+    def __init__(self, ctx: ReuseContext, plan: Callable[[ReuseRequest], None],
+                 prepare: Callable[[ReuseRequest], None], ratio: float = 0.0):
+        self.ctx, self.plan, self.prepare = ctx, plan, prepare
         self._prefixes: dict[str, _Prefix] = {}
         self._queue: OrderedDict[str, ReuseRequest] = OrderedDict()     # one pending prefetch per agent
         self.stats = PrefetchStats()
@@ -133,13 +138,13 @@ class Prefetcher:
     def _run(self, req: ReuseRequest) -> None:
         ctx, t0 = self.ctx, time.perf_counter()
         try:
-            self.method.plan(req)                           # pins the home views
+            self.plan(req)                                  # pins the home views
             pending = [p for p in req.pieces if p.pending and p.home is not None]
             # An own prefix that is not a home view would need a prefill first: not worth it ahead of time.
             if req.own_prefix_end > 0 or not pending or not ctx.reserve(req, len(req.prompt_ids)):
                 self.stats.skipped += 1
                 return
-            self.method.prepare(req)
+            self.prepare(req)
             self.stats.corrections += 1
             self.stats.recomputed_tokens += req.recomputed_tokens
             self.stats.by_agent[req.agent] = self.stats.by_agent.get(req.agent, 0) + 1

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..base import ReuseRequest
-from ..cross_agent import CrossAgentMethod, MAX_FRAME
-from ..pieces import ReusePiece
+from ..base import ReuseContext, ReuseRequest
+from ..pieces import MAX_FRAME, ReusePiece
+from ..request_view import RequestView, ViewPiece
 from ..views.dense import gathered_mass_attention
 from ..views.gather import build_gathered
 from ..views.reference import SegmentPiece
@@ -28,8 +28,7 @@ NEWEST_SPAN = 256
 SELECT_MAX = 512
 
 
-def select_rows(method: CrossAgentMethod, req: ReuseRequest, pending: list[ReusePiece],
-                newest_whole: bool) -> tuple[list[torch.Tensor], str]:
+def select_rows(view: RequestView, pending: list[ReusePiece], newest_whole: bool) -> tuple[list[torch.Tensor], str]:
     """Rows (local to each pending piece) to recompute, and how they were chosen: "ratio" (the pass ran),
     "capped" (it ran on the prompt's last SELECT_MAX tokens), "all" (the ratio and the forced rows leave
     none out), "skipped" (every row: the pass would cost more than it spares) or "none".
@@ -40,6 +39,7 @@ def select_rows(method: CrossAgentMethod, req: ReuseRequest, pending: list[Reuse
     costs about what a recomputed row costs; so when it would spare no more rows than it has queries
     (a short new segment corrected ahead of time at a high ratio), every row is recomputed instead:
     cheaper, and every row recomputed rather than a share of them."""
+    req = view.req
     total = sum(p.end - p.start for p in pending)
     whole = newest_pieces(req, pending) if newest_whole and req.options.recompute_ratio > 0 else set()
     forced_of = [forced_rows(req, p, id(p) in whole) for p in pending]
@@ -52,7 +52,7 @@ def select_rows(method: CrossAgentMethod, req: ReuseRequest, pending: list[Reuse
     qs, _ = selection_queries(req)
     if total - k <= len(req.prompt_ids) - qs:
         return [torch.arange(p.end - p.start) for p in pending], "skipped"
-    mass, capped = attention_mass(method, req, pending)
+    mass, capped = attention_mass(view, pending)
     mass = torch.cat([m.masked_fill(f.to(m.device), float("inf")) for m, f in zip(mass, forced_of)])
     top = torch.topk(mass, k).indices.sort().values
     out, offset = [], 0
@@ -74,15 +74,14 @@ def forced_rows(req: ReuseRequest, piece: ReusePiece, newest: bool) -> torch.Ten
     return torch.arange(piece.start, piece.end) >= req.reuse_end - NEWEST_SPAN
 
 
-def attention_mass(method: CrossAgentMethod, req: ReuseRequest, pending: list[ReusePiece]) -> tuple[list[torch.Tensor],
-                                                                                                    bool]:
+def attention_mass(view: RequestView, pending: list[ReusePiece]) -> tuple[list[torch.Tensor], bool]:
     """The attention mass [n] each pending piece's tokens get from the selection queries, and whether
     those were cut to the prompt's last SELECT_MAX tokens."""
-    ctx = method.ctx
+    req, ctx = view.req, view.ctx
     b, n = req.reuse_end, len(req.prompt_ids)
     qs, capped = selection_queries(req)
     tail = max(qs, b)                          # own keys [tail, n) follow the reused view [0, b)
-    pieces = method.pieces_for(req, b, include_new=False) + ([method.own_piece(req, tail, n)] if n > tail else [])
+    pieces = view.attention_pieces(b, include_new=False) + ([view.own_piece(tail, n)] if n > tail else [])
     spans, offset = [], 0                      # where each pending piece's keys sit in the view
     starts = {p.start for p in pending}
     for pc in pieces:
@@ -91,7 +90,7 @@ def attention_mass(method: CrossAgentMethod, req: ReuseRequest, pending: list[Re
             spans.append((offset, offset + size))
         offset += size
     positions = torch.arange(qs, n, device=ctx.device)
-    backend = MassBackend(method, pieces, ctx.store.slots(req.blocks, tail, n), positions, spans, skip=tail - qs)
+    backend = MassBackend(ctx, pieces, ctx.store.slots(req.blocks, tail, n), positions, spans, skip=tail - qs)
     ctx.model.forward(torch.tensor(req.prompt_ids[qs:n], device=ctx.device), positions, backend)
     return backend.mass, capped
 
@@ -125,9 +124,8 @@ class MassBackend:
     """Attention for the selection pass: writes the tail's KV, attends over the gathered view and sums
     the mass that lands on the pending pieces' keys."""
 
-    def __init__(self, method: CrossAgentMethod, pieces: list, write_slots: torch.Tensor, q_positions: torch.Tensor,
-                 spans: list[tuple[int, int]], skip: int = 0):
-        ctx = method.ctx
+    def __init__(self, ctx: ReuseContext, pieces: list[ViewPiece], write_slots: torch.Tensor,
+                 q_positions: torch.Tensor, spans: list[tuple[int, int]], skip: int = 0):
         self.ctx, self.write_slots, self.q_positions, self.spans = ctx, write_slots, q_positions, spans
         self.skip = skip          # leading queries that sit inside reused pieces: their KV is not written
         dev = q_positions.device

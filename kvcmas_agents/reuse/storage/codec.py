@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .delta import LowRankDelta
+from .delta import DeltaSide, LowRankDelta
 from .quant_rows import BITS, channel_scale, normalized, pack_nibbles, pack_sixes, quantize_rows
 
 
@@ -147,11 +147,9 @@ def compress(dk: torch.Tensor, dv: torch.Tensor, rows: torch.Tensor, rank: int, 
         key_bits = small_bits
     if small and not value_bits and rows_are_smaller(dv.shape[2], dv.shape[3], rank, channels=False):
         value_bits = small_bits
-    uk, bk, sk, rk, ck, tk, hk = _side(dk[first_layer:], rank, dtype, int8_basis, key_bits, u8, head_bits, True)
-    uv, bv, sv, rv, cv, tv, hv = _side(dv[first_layer:], rank, dtype, int8_basis, value_bits, u8, head_bits, False)
-    return LowRankDelta(rows, uk, bk, uv, bv, sk, sv, rk=rk, rv=rv, ck=ck, cv=cv, first_layer=first_layer,
-                        tk=tk, tv=tv, qk=key_bits if rk is not None else 0, qv=value_bits if rv is not None else 0,
-                        hk=hk, hv=hv)
+    k = _side(dk[first_layer:], rank, dtype, int8_basis, key_bits, u8, head_bits, True)
+    v = _side(dv[first_layer:], rank, dtype, int8_basis, value_bits, u8, head_bits, False)
+    return LowRankDelta(rows, k, v, first_layer=first_layer)
 
 
 # The yardstick of rows_are_smaller, whatever bits the rows it picks are then stored in (small_bits):
@@ -172,16 +170,15 @@ def rows_are_smaller(rows: int, dim: int, rank: int, channels: bool) -> bool:
 
 
 def _side(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, bits: int, u8: int | None,
-          head_bits: int, channels: bool) -> tuple:
-    """(U, B, B's scale, row scales, channel scales, 4-bit components, leading codes' bits or 0) of one
-    side: quantized rows with ``bits`` (B the identity; ``channels`` divides each channel by its scale
-    first), else factored."""
+          head_bits: int, channels: bool) -> DeltaSide:
+    """One side: quantized rows with ``bits`` (B the identity; ``channels`` divides each channel by its
+    scale first), else factored."""
     if not bits:
         u, b, sb, tail, head = _factored(d, rank, dtype, int8_basis, u8, head_bits)
-        return u, b, sb, None, None, tail, head
+        return DeltaSide(u, b, basis_scale=sb, tail4=tail, head_bits=head)
     c = channel_scale(d) if channels else None
     u, r = quantize_rows(d if c is None else normalized(d, c), bits)
-    return u, None, None, r, c, 0, 0
+    return DeltaSide(u, row_scale=r, channel_scale=c, row_bits=bits)
 
 
 def _factored(d: torch.Tensor, rank: int, dtype: torch.dtype, int8_basis: bool, u8: int | None,
@@ -208,9 +205,7 @@ def compress_joint(dks: list[torch.Tensor], dvs: list[torch.Tensor], rows: list[
     out, offset = [], 0
     for r in rows:
         n = r.numel()
-        # Own copies of the row-indexed tensors (not views), so each segment's bytes are its own; B is shared.
-        cut = lambda t: None if t is None else t[:, :, offset:offset + n].clone()  # noqa: E731
-        out.append(replace(joint, rows=r.to(device=joint.uk.device, dtype=torch.long), uk=cut(joint.uk),
-                           uv=cut(joint.uv), rk=cut(joint.rk), rv=cut(joint.rv)))
+        out.append(replace(joint, rows=r.to(device=joint.rows.device, dtype=torch.long),
+                           k=joint.k.take_rows(offset, offset + n), v=joint.v.take_rows(offset, offset + n)))
         offset += n
     return out

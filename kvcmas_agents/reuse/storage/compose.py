@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .codec import Format, compress
-from .delta import LowRankDelta
+from .delta import DeltaSide, LowRankDelta
 
 
 def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta:
@@ -23,15 +23,15 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
     if rank is not None:
         _, heads, _, dim = first.key_basis().b.shape
         layers = first.num_layers
-        dk = first.uk.new_zeros(layers, heads, rows.numel(), dim, dtype=torch.float32)
+        dk = first.k.u.new_zeros(layers, heads, rows.numel(), dim, dtype=torch.float32)
         dv = torch.zeros_like(dk)
         for d, idx in zip(deltas, where):
             dk.index_add_(2, idx, d.key_coeffs().at() @ d.key_basis().at())
             dv.index_add_(2, idx, d.value_coeffs().at() @ d.value_basis().at())
         # a side's U that is not rows, and its 8-bit components when it has a 4-bit tail
-        factored = first.value_coeffs() if first.rk is not None else first.key_coeffs()
+        factored = first.value_coeffs() if first.k.row_scale is not None else first.key_coeffs()
         u8 = factored.rank - factored.tail if factored.tail else None
-        fmt = Format(factored.u.dtype, int8_basis=first.sk is not None or first.sv is not None,
+        fmt = Format(factored.u.dtype, int8_basis=first.k.basis_scale is not None or first.v.basis_scale is not None,
                      value_bits=first.value_coeffs().bits, key_bits=first.key_coeffs().bits, u8=u8,
                      head_bits=factored.head or 8)
         return compress(dk, dv, rows, rank, fmt, first_layer=min(d.first_layer for d in deltas))
@@ -46,10 +46,10 @@ def compose(deltas: list[LowRankDelta], rank: int | None = None) -> LowRankDelta
             col += u.shape[-1]
         return out
 
-    return LowRankDelta(rows, scatter_u([d.key_coeffs().at() for d in deltas]),
-                        torch.cat([d.key_basis().at() for d in deltas], 2),
-                        scatter_u([d.value_coeffs().at() for d in deltas]),
-                        torch.cat([d.value_basis().at() for d in deltas], 2))
+    return LowRankDelta(rows, DeltaSide(scatter_u([d.key_coeffs().at() for d in deltas]),
+                                        torch.cat([d.key_basis().at() for d in deltas], 2)),
+                        DeltaSide(scatter_u([d.value_coeffs().at() for d in deltas]),
+                                  torch.cat([d.value_basis().at() for d in deltas], 2)))
 
 
 def apply_to(k_ref: torch.Tensor, v_ref: torch.Tensor, deltas: list[LowRankDelta],

@@ -50,7 +50,7 @@ def build_gathered(pieces: list, realigner: Realigner, device: torch.device, dty
                 if d.num_rows:
                     # A group's states must also share their first stored layer: identity bases of
                     # different states (full-rank rows) are alike whatever layers each stores.
-                    key = (_basis_id(d.bk, d.uk), _basis_id(d.bv, d.uv), d.shift, d.first_layer)
+                    key = (_basis_id(d.k.b, d.k.u), _basis_id(d.v.b, d.v.u), d.shift, d.first_layer)
                     rows, uks, _, uvs, _ = groups.setdefault(key, ([], [], realigner.key_basis(d), [],
                                                                    d.value_basis()))
                     rows.append(d.rows.to(device) + offset)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..realign import Realigner
-from ..storage.delta import LowRankDelta
+from ..storage.delta import DeltaSide, LowRankDelta
 from .reference import OwnPiece, SegmentPiece, view_attention
 
 if TYPE_CHECKING:
@@ -128,8 +128,8 @@ def self_check(realigner: Realigner, kv_heads: int, heads: int, head_dim: int, d
     rand = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
     k, v = rand(80, kv_heads, head_dim), rand(80, kv_heads, head_dim)
     rows = torch.tensor([1, 4, 9, 20], device=device)
-    delta = LowRankDelta(rows, rand(1, kv_heads, 4, 2) * 0.1, rand(1, kv_heads, 2, head_dim),
-                         rand(1, kv_heads, 4, 2) * 0.1, rand(1, kv_heads, 2, head_dim))
+    delta = LowRankDelta(rows, DeltaSide(rand(1, kv_heads, 4, 2) * 0.1, rand(1, kv_heads, 2, head_dim)),
+                         DeltaSide(rand(1, kv_heads, 4, 2) * 0.1, rand(1, kv_heads, 2, head_dim)))
     ar = lambda a, b: torch.arange(a, b, device=device)  # noqa: E731
     pieces = [OwnPiece(ar(0, 10), ar(0, 10)), SegmentPiece(ar(40, 70), ar(10, 40), delta=-30, deltas=[delta]),
               OwnPiece(ar(10, 19), ar(40, 49))]

@@ -298,25 +298,28 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
             eng.close()
     layers = engine.model.args.num_layers
     for kind, held in states.items():       # layer 0's deviation is rounding: no state stores it
-        assert all(s.first_layer == UNCORRECTED_LAYERS == 1 and s.uk.shape[0] == layers - 1 for s in held), kind
-    dtypes = {k: ({s.uk.dtype for s in v}, {None if s.bk is None else s.bk.dtype for s in v}, {s.uv.dtype for s in v},
-                  {None if s.bv is None else s.bv.dtype for s in v}) for k, v in states.items()}
+        assert all(s.first_layer == UNCORRECTED_LAYERS == 1 and s.k.u.shape[0] == layers - 1 for s in held), kind
+    dtypes = {k: ({s.k.u.dtype for s in v}, {None if s.k.b is None else s.k.b.dtype for s in v},
+                  {s.v.u.dtype for s in v}, {None if s.v.b is None else s.v.b.dtype for s in v})
+              for k, v in states.items()}
     assert dtypes["int8"] == ({torch.int8}, {torch.bfloat16}, {torch.int8}, {torch.bfloat16})
     assert dtypes["value_rows"] == ({torch.int8}, {torch.bfloat16}, {torch.uint8}, {None})
     assert dtypes["key_rows"] == ({torch.uint8}, {None}, {torch.uint8}, {None})
     assert dtypes["int8_basis"] == dtypes["lean"] == ({torch.int8}, {torch.int8}, {torch.int8}, {torch.int8})
-    assert all(s.tk == s.tv == 0 for s in states["int8_basis"])
-    assert all(s.rank == 40 and s.tk == s.tv == 12 and s.uk.shape[-1] == 34 for s in states["lean"])
-    assert all(s.rank == 40 and s.hk == s.hv == 6 and s.uk.shape[-1] == 21 + 6 for s in states["head6"])
+    assert all(s.k.tail4 == s.v.tail4 == 0 for s in states["int8_basis"])
+    assert all(s.rank == 40 and s.k.tail4 == s.v.tail4 == 12 and s.k.u.shape[-1] == 34 for s in states["lean"])
+    assert all(s.rank == 40 and s.k.head_bits == s.v.head_bits == 6 and s.k.u.shape[-1] == 21 + 6
+               for s in states["head6"])
     assert dtypes["bfloat16"][0] == {torch.bfloat16} and dtypes["float32"][0] == {torch.float32}
     assert dtypes["small_rows"] == ({torch.int8}, {None}, {torch.int8}, {None})
-    assert all(s.rk is not None and s.ck is not None and s.rv is not None for s in states["small_rows"])
+    assert all(s.k.row_scale is not None and s.k.channel_scale is not None and s.v.row_scale is not None
+               for s in states["small_rows"])
     assert sum(s.num_rows for s in states["small_rows"]) == sum(s.num_rows for s in states["int8"]) < 192
     assert dtypes["small_rows6"] == ({torch.uint8}, {None}, {torch.uint8}, {None})
-    assert all(s.qk == s.qv == 6 and s.ck is not None for s in states["small_rows6"])
-    assert all(s.qk == s.qv == 8 for s in states["small_rows"])
+    assert all(s.k.row_bits == s.v.row_bits == 6 and s.k.channel_scale is not None for s in states["small_rows6"])
+    assert all(s.k.row_bits == s.v.row_bits == 8 for s in states["small_rows"])
     assert [s.rows.tolist() for s in states["small_rows6"]] == [s.rows.tolist() for s in states["small_rows"]]
-    u_bytes = {d: sum(s.uk.nbytes + s.uv.nbytes for s in states[d]) for d in ("int8", "bfloat16", "float32")}
+    u_bytes = {d: sum(s.k.u.nbytes + s.v.u.nbytes for s in states[d]) for d in ("int8", "bfloat16", "float32")}
     assert u_bytes["int8"] * 4 == u_bytes["bfloat16"] * 2 == u_bytes["float32"]
     b_bytes = {d: unique_nbytes(states[d], bases_only=True) for d in states}
     assert b_bytes["int8"] == b_bytes["bfloat16"] == 2 * b_bytes["value_rows"]      # no B_v with value rows
@@ -366,9 +369,9 @@ async def test_a_long_newest_message_is_recomputed_whole_only_near_the_tail(engi
     history.append({"role": "user", "content": "[coder]\n```python\n" + code + "\n```"})
     picked = []
 
-    def spy(method, req, pending, newest_whole):
-        rows, capped = select.select_rows(method, req, pending, newest_whole)
-        picked.append((req.reuse_end, [(p.start, p.end) for p in pending], rows))
+    def spy(view, pending, newest_whole):
+        rows, capped = select.select_rows(view, pending, newest_whole)
+        picked.append((view.req.reuse_end, [(p.start, p.end) for p in pending], rows))
         return rows, capped
 
     monkeypatch.setattr(correction, "select_rows", spy)

@@ -92,10 +92,10 @@ async def test_a_failing_prefetch_only_costs_the_optimisation(histories, monkeyp
     engine.set_edges(EDGES)
     real = engine.methods["kvcmas"].corrector.correct
 
-    def broken(req):
-        if req.request_id.startswith("prefetch-"):
+    def broken(view):
+        if view.req.request_id.startswith("prefetch-"):
             raise RuntimeError("injected")
-        return real(req)
+        return real(view)
 
     monkeypatch.setattr(engine.methods["kvcmas"].corrector, "correct", broken)
     try:
@@ -239,9 +239,9 @@ async def test_a_prefetch_that_would_spare_few_rows_recomputes_them_all_without_
     ranked = []
     real_mass = select.attention_mass
 
-    def spy(method, req, pending):
-        ranked.append(req.select_from is not None)          # True: an ahead-of-time correction's pass
-        return real_mass(method, req, pending)
+    def spy(view, pending):
+        ranked.append(view.req.select_from is not None)     # True: an ahead-of-time correction's pass
+        return real_mass(view, pending)
 
     engine, exact = Engine(EngineConfig(reuse="kvcmas")), Engine(EngineConfig(reuse="none"))
     try:

@@ -9,7 +9,7 @@ import torch
 
 from kvcmas_agents.reuse.storage.codec import Format, compress, compress_joint, rows_are_smaller
 from kvcmas_agents.reuse.storage.compose import apply_to, compose
-from kvcmas_agents.reuse.storage.delta import LowRankDelta, unique_nbytes
+from kvcmas_agents.reuse.storage.delta import DeltaSide, LowRankDelta, unique_nbytes
 from kvcmas_agents.reuse.storage.readers import Coeffs
 
 L, KVH, D = 3, 2, 16
@@ -22,7 +22,7 @@ def _devs(nrows: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tupl
 
 
 def _dense_all(state: LowRankDelta) -> tuple[torch.Tensor, torch.Tensor]:
-    ks, vs = zip(*(state.dense(layer) for layer in range(state.uk.shape[0])))
+    ks, vs = zip(*(state.dense(layer) for layer in range(state.k.u.shape[0])))
     return torch.stack(ks), torch.stack(vs)
 
 
@@ -32,7 +32,7 @@ def test_full_rank_reconstructs_exactly(nrows, rank):
     rows = torch.randperm(100)[:nrows]
     state = compress(dk, dv, rows, rank)
     assert state.rank == min(rank, nrows, D)
-    assert state.uk.shape == (L, KVH, nrows, state.rank) and state.bk.shape == (L, KVH, state.rank, D)
+    assert state.k.u.shape == (L, KVH, nrows, state.rank) and state.k.b.shape == (L, KVH, state.rank, D)
     assert torch.equal(state.rows, rows)
     k, v = _dense_all(state)
     torch.testing.assert_close(k, dk, rtol=0, atol=1e-5)
@@ -66,7 +66,7 @@ def test_low_rank_input_is_recovered_at_its_rank():
 def test_nbytes_is_exact():
     dk, dv = _devs(12, dtype=torch.float16)
     state = compress(dk, dv, torch.arange(12), rank=5)
-    assert state.uk.dtype == torch.float16
+    assert state.k.u.dtype == torch.float16
     expected = 12 * 8 + 2 * (L * KVH * 12 * 5 * 2) + 2 * (L * KVH * 5 * D * 2)
     assert state.nbytes == expected
     wide = compress(dk, dv, torch.arange(12), rank=5, fmt=Format(torch.float32))
@@ -141,8 +141,8 @@ def test_invalid_inputs_raise():
     with pytest.raises(ValueError):
         compress(dk, dv[:, :, :2], torch.arange(3), rank=2)
     with pytest.raises(ValueError):
-        LowRankDelta(torch.arange(2), torch.zeros(L, KVH, 3, 1), torch.zeros(L, KVH, 1, D),
-                     torch.zeros(L, KVH, 3, 1), torch.zeros(L, KVH, 1, D))
+        LowRankDelta(torch.arange(2), DeltaSide(torch.zeros(L, KVH, 3, 1), torch.zeros(L, KVH, 1, D)),
+                     DeltaSide(torch.zeros(L, KVH, 3, 1), torch.zeros(L, KVH, 1, D)))
     with pytest.raises(ValueError):
         compose([])
 
@@ -152,13 +152,13 @@ def test_joint_basis_is_shared_reconstructs_at_full_rank_and_is_counted_once():
     rows = [torch.tensor([0, 2, 4, 6, 8]), torch.tensor([1, 2, 3]), torch.arange(7)]   # per-segment rows
     states = compress_joint([p[0] for p in parts], [p[1] for p in parts], rows, rank=D)
     assert [torch.equal(s.rows, r) for s, r in zip(states, rows)] == [True] * 3
-    assert states[0].bk is states[1].bk is states[2].bk                     # one basis for all
+    assert states[0].k.b is states[1].k.b is states[2].k.b                     # one basis for all
     for s, (dk, dv) in zip(states, parts):
         for layer in range(L):
             rk, rv = s.dense(layer)
             torch.testing.assert_close(rk, dk[layer], rtol=0, atol=1e-4)
             torch.testing.assert_close(rv, dv[layer], rtol=0, atol=1e-4)
-    shared = states[0].bk.numel() * 4 + states[0].bv.numel() * 4
+    shared = states[0].k.b.numel() * 4 + states[0].v.b.numel() * 4
     assert unique_nbytes(states) == sum(s.nbytes for s in states) - 2 * shared
     assert unique_nbytes(states, bases_only=True) == shared
     # At a low rank the joint basis costs less than one basis per segment.
@@ -177,28 +177,28 @@ def test_int8_factors_quantize_u_and_b_per_component_with_one_scale():
     rows = torch.arange(40)
     ref = compress(dk, dv, rows, rank=8, fmt=Format(torch.float32))
     u8 = compress(dk, dv, rows, rank=8, fmt=Format(torch.int8))
-    assert u8.uk.dtype == torch.int8 and u8.bk.dtype == torch.bfloat16 and u8.sk is None
-    assert u8.nbytes == rows.nbytes + 2 * (u8.uk.numel() + 2 * u8.bk.numel())
+    assert u8.k.u.dtype == torch.int8 and u8.k.b.dtype == torch.bfloat16 and u8.k.basis_scale is None
+    assert u8.nbytes == rows.nbytes + 2 * (u8.k.u.numel() + 2 * u8.k.b.numel())
     for layer in range(L):
         for got, want in zip(u8.dense(layer), ref.dense(layer)):
             assert 0 < (got - want).norm() / want.norm() < 0.02
     q = compress(dk, dv, rows, rank=8, fmt=Format(torch.int8, int8_basis=True))
-    assert {t.dtype for t in (q.uk, q.uv, q.bk, q.bv)} == {torch.int8}
-    assert q.sk.shape == q.sv.shape == (L, KVH, 8, 1) and q.sk.dtype == torch.float32
-    assert q.uk.abs().amax(dim=-2).min() == 127          # every component uses the full int8 range
-    assert q.bk.abs().amax(dim=-1).min() == 127
-    assert q.nbytes == rows.nbytes + 2 * (q.uk.numel() + q.bk.numel() + 4 * q.sk.numel())
-    assert unique_nbytes([q], bases_only=True) == 2 * (q.bk.numel() + 4 * q.sk.numel())
+    assert {t.dtype for t in (q.k.u, q.v.u, q.k.b, q.v.b)} == {torch.int8}
+    assert q.k.basis_scale.shape == q.v.basis_scale.shape == (L, KVH, 8, 1) and q.k.basis_scale.dtype == torch.float32
+    assert q.k.u.abs().amax(dim=-2).min() == 127          # every component uses the full int8 range
+    assert q.k.b.abs().amax(dim=-1).min() == 127
+    assert q.nbytes == rows.nbytes + 2 * (q.k.u.numel() + q.k.b.numel() + 4 * q.k.basis_scale.numel())
+    assert unique_nbytes([q], bases_only=True) == 2 * (q.k.b.numel() + 4 * q.k.basis_scale.numel())
     for layer in range(L):
         for got, want in zip(q.dense(layer), ref.dense(layer)):
             err = (got.float() - want).norm() / want.norm()
             assert 0 < err < 0.02
     with pytest.raises(ValueError, match="scales"):
-        LowRankDelta(q.rows, q.uk, q.bk, q.uv, q.bv)      # int8 B without its scales
+        LowRankDelta(q.rows, DeltaSide(q.k.u, q.k.b), q.v)      # int8 B without its scales
     # Composing int8 states at a capped rank stays int8; empty rows still work.
-    assert compose([q, q], rank=4).uk.dtype == compose([q, q], rank=4).bk.dtype == torch.int8
+    assert compose([q, q], rank=4).k.u.dtype == compose([q, q], rank=4).k.b.dtype == torch.int8
     empty = compress(dk[:, :, :0], dv[:, :, :0], torch.zeros(0, dtype=torch.long), rank=8, fmt=Format(torch.int8))
-    assert empty.num_rows == 0 and empty.uk.dtype == torch.int8
+    assert empty.num_rows == 0 and empty.k.u.dtype == torch.int8
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -208,7 +208,7 @@ def test_value_rows_are_kept_full_rank_without_a_basis(bits):
     dk, dv = _devs(30)
     rows = torch.arange(0, 60, 2)
     state = compress(dk, dv, rows, 4, Format(torch.int8, value_bits=bits))
-    assert state.bv is None and state.value_basis().plain_identity and state.value_coeffs().bits == bits
+    assert state.v.b is None and state.value_basis().plain_identity and state.value_coeffs().bits == bits
     assert state.value_coeffs().rank == D and state.key_coeffs().rank == 4 and state.rank == D
     got_v = _dense_all(state)[1]
     rel = ((got_v - dv).norm() / dv.norm()).item()
@@ -219,14 +219,14 @@ def test_value_rows_are_kept_full_rank_without_a_basis(bits):
     assert unique_nbytes([state], bases_only=True) == L * KVH * 4 * D * 2
     parts = compress_joint([dk[:, :, :10], dk[:, :, 10:]], [dv[:, :, :10], dv[:, :, 10:]], [rows[:10], rows[10:]], 4,
                            Format(torch.int8, value_bits=bits))
-    assert all(p.bv is None and p.rv.shape[2] == p.num_rows for p in parts)
+    assert all(p.v.b is None and p.v.row_scale.shape[2] == p.num_rows for p in parts)
     assert torch.equal(torch.cat([_dense_all(p)[1] for p in parts], 2), got_v)
     again = compose([state], rank=4)                      # recompressed in the same form
-    assert again.bv is None and again.value_coeffs().bits == bits
+    assert again.v.b is None and again.value_coeffs().bits == bits
     with pytest.raises(ValueError, match="row scales"):
-        LowRankDelta(rows, state.uk, state.bk, state.uv, None)
+        LowRankDelta(rows, state.k, DeltaSide(state.v.u))
     with pytest.raises(ValueError, match="B factors"):
-        LowRankDelta(rows, state.uk, None, state.uv, None, rv=state.rv)
+        LowRankDelta(rows, DeltaSide(state.k.u), state.v)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -237,8 +237,9 @@ def test_key_rows_are_kept_full_rank_with_channel_scales(bits):
     dk[..., :2] *= 30.0                                  # large channels, as keys have
     rows = torch.arange(0, 60, 2)
     state = compress(dk, dv, rows, 4, Format(torch.int8, value_bits=bits, key_bits=bits))
-    assert state.bk is None and state.bv is None and state.key_basis().plain_identity
-    assert state.key_coeffs().bits == bits and state.ck.shape == (L, KVH, 1, D) and state.cv is None
+    assert state.k.b is None and state.v.b is None and state.key_basis().plain_identity
+    assert state.key_coeffs().bits == bits and state.k.channel_scale.shape == (L, KVH, 1, D)
+    assert state.v.channel_scale is None
     got_k, got_v = _dense_all(state)
     small = slice(2, None)
     rel = ((got_k - dk)[..., small].norm() / dk[..., small].norm()).item()
@@ -248,25 +249,25 @@ def test_key_rows_are_kept_full_rank_with_channel_scales(bits):
     assert unique_nbytes([state], bases_only=True) == L * KVH * D * 2      # the channel scales
     parts = compress_joint([dk[:, :, :10], dk[:, :, 10:]], [dv[:, :, :10], dv[:, :, 10:]], [rows[:10], rows[10:]], 4,
                            Format(torch.int8, value_bits=bits, key_bits=bits))
-    assert parts[0].ck is parts[1].ck and all(p.rk.shape[2] == p.num_rows for p in parts)
+    assert parts[0].k.channel_scale is parts[1].k.channel_scale
+    assert all(p.k.row_scale.shape[2] == p.num_rows for p in parts)
     assert torch.equal(torch.cat([_dense_all(p)[0] for p in parts], 2), got_k)
     assert unique_nbytes(parts) == state.nbytes
     again = compose([state], rank=4)                      # recompressed in the same form
-    assert again.bk is None and again.key_coeffs().bits == bits and again.ck is not None
+    assert again.k.b is None and again.key_coeffs().bits == bits and again.k.channel_scale is not None
     moved = state.to("cpu")
-    assert torch.equal(moved.ck, state.ck)
+    assert torch.equal(moved.k.channel_scale, state.k.channel_scale)
     with pytest.raises(ValueError, match="channel scales"):
-        LowRankDelta(rows, state.uk, state.bk, state.uv, state.bv, rk=state.rk, rv=state.rv,
-                     ck=state.ck[:, :, :, :4])
+        replace(state.k, channel_scale=state.k.channel_scale[:, :, :, :4])
 
 
 def test_key_rows_with_factored_values():
     """key_bits without value_bits: the values keep their rank-r factors in the requested dtype."""
     dk, dv = _devs(20)
     state = compress(dk, dv, torch.arange(20), 4, Format(torch.int8, key_bits=8))
-    assert state.bk is None and state.uv.dtype == torch.int8 and state.bv.dtype == torch.bfloat16
+    assert state.k.b is None and state.v.u.dtype == torch.int8 and state.v.b.dtype == torch.bfloat16
     again = compose([state], rank=4)
-    assert again.uv.dtype == torch.int8 and again.bk is None
+    assert again.v.u.dtype == torch.int8 and again.k.b is None
 
 
 @pytest.mark.parametrize("knobs", [{}, {"dtype": torch.int8}, {"dtype": torch.int8, "key_bits": 8, "value_bits": 4}])
@@ -277,7 +278,7 @@ def test_a_state_without_its_first_layer_stores_less_and_reads_zeros_there(knobs
     rows = torch.arange(12) * 2
     whole = compress(dk, dv, rows, 8, Format(**knobs))
     part = compress(dk, dv, rows, 8, Format(**knobs), first_layer=1)
-    assert (part.first_layer, part.num_layers, part.uk.shape[0]) == (1, L, L - 1)
+    assert (part.first_layer, part.num_layers, part.k.u.shape[0]) == (1, L, L - 1)
     assert part.nbytes < whole.nbytes
     k0, v0 = part.dense(0)
     assert not k0.any() and not v0.any() and k0.shape == whole.dense(0)[0].shape
@@ -291,7 +292,7 @@ def test_a_state_without_its_first_layer_stores_less_and_reads_zeros_there(knobs
     # Moved, settled, composed and materialized, it still corrects nothing at layer 0.
     realigner = Realigner(1.0 / (10000.0 ** (torch.arange(0, D, 2).float() / D)))
     settled = realigner.settle(realigner.rotate_delta(part, 3))
-    assert settled.first_layer == 1 and settled.bk.shape[0] == L - 1 and not settled.dense(0)[0].any()
+    assert settled.first_layer == 1 and settled.k.b.shape[0] == L - 1 and not settled.dense(0)[0].any()
     other = compress(*_devs(12, seed=6), rows, 8, Format(**knobs))
     exact = compose([part, other])
     lossy = compose([part, other], rank=8)
@@ -306,15 +307,15 @@ def test_a_state_without_its_first_layer_stores_less_and_reads_zeros_there(knobs
     with pytest.raises(ValueError, match="first_layer"):
         compress(dk, dv, rows, 8, first_layer=L)
     with pytest.raises(ValueError, match="first_layer"):
-        LowRankDelta(part.rows, part.uk, part.bk, part.uv, part.bv, part.sk, part.sv, first_layer=-1)
+        LowRankDelta(part.rows, part.k, part.v, first_layer=-1)
 
 
 def test_joint_states_drop_the_first_layer_together():
     dks, dvs = zip(*(_devs(n, seed=n) for n in (5, 7)))
     rows = [torch.arange(5), torch.arange(7)]
     states = compress_joint(list(dks), list(dvs), rows, 6, Format(torch.int8), first_layer=1)
-    assert all(s.first_layer == 1 and s.uk.shape[0] == L - 1 for s in states)
-    assert states[0].bk is states[1].bk and states[0].bk.shape[0] == L - 1
+    assert all(s.first_layer == 1 and s.k.u.shape[0] == L - 1 for s in states)
+    assert states[0].k.b is states[1].k.b and states[0].k.b.shape[0] == L - 1
 
 
 def test_rows_are_smaller_counts_the_bytes_of_both_storages():
@@ -328,7 +329,7 @@ def test_rows_are_smaller_counts_the_bytes_of_both_storages():
     dk, dv = _devs(150, seed=4)
     for storage in ({}, {"int8_basis": True, "u8": 4}):          # cheaper factors do not move the choice
         state = compress(dk, dv, torch.arange(150), 40, Format(torch.int8, small_rows=True, **storage))
-        assert state.bk is None and state.bv is None
+        assert state.k.b is None and state.v.b is None
 
 
 def test_small_rows_keep_the_rows_of_a_side_whose_factors_would_be_larger():
@@ -340,7 +341,8 @@ def test_small_rows_keep_the_rows_of_a_side_whose_factors_would_be_larger():
     rows = torch.arange(12) * 3
     small = compress(dk, dv, rows, 8, Format(torch.int8, small_rows=True))
     factored = compress(dk, dv, rows, 8, Format(torch.int8))
-    assert small.bk is None and small.bv is None and small.ck is not None and small.cv is None
+    assert small.k.b is None and small.v.b is None
+    assert small.k.channel_scale is not None and small.v.channel_scale is None
     assert small.key_coeffs().bits == small.value_coeffs().bits == 8
     assert small.nbytes < factored.nbytes
     got_k, got_v = _dense_all(small)
@@ -351,15 +353,15 @@ def test_small_rows_keep_the_rows_of_a_side_whose_factors_would_be_larger():
     big_k, big_v = _devs(40, seed=1)
     big = compress(big_k, big_v, torch.arange(40), 8, Format(torch.int8, small_rows=True))
     plain = compress(big_k, big_v, torch.arange(40), 8, Format(torch.int8))
-    assert big.bk is not None and torch.equal(big.uk, plain.uk) and torch.equal(big.bv, plain.bv)
-    assert compress(dk, dv, rows, 8, Format(torch.bfloat16, small_rows=True)).bk is not None
+    assert big.k.b is not None and torch.equal(big.k.u, plain.k.u) and torch.equal(big.v.b, plain.v.b)
+    assert compress(dk, dv, rows, 8, Format(torch.bfloat16, small_rows=True)).k.b is not None
     assert compress(dk, dv, rows, 8, Format(torch.int8, value_bits=4, small_rows=True)).value_coeffs().bits == 4
     # A joint basis decides on all its segments' rows: two of 12 rows each are factored together
     # (24 rows: 448 bytes of factors against 464 of key rows), though either alone would be rows.
     a, b = _devs(12, seed=2), _devs(12, seed=3)
     parts = compress_joint([a[0], b[0]], [a[1], b[1]], [rows, rows + 1], 8, Format(torch.int8, small_rows=True))
-    assert parts[0].bk is parts[1].bk is not None
-    assert compress_joint([a[0]], [a[1]], [rows], 8, Format(torch.int8, small_rows=True))[0].bk is None
+    assert parts[0].k.b is parts[1].k.b is not None
+    assert compress_joint([a[0]], [a[1]], [rows], 8, Format(torch.int8, small_rows=True))[0].k.b is None
 
 
 def test_small_rows_in_fewer_bits_keep_the_same_sides_as_rows():
@@ -372,24 +374,25 @@ def test_small_rows_in_fewer_bits_keep_the_same_sides_as_rows():
     by_bits = {b: compress(dk, dv, rows, 8, Format(torch.int8, small_rows=True, small_bits=b), first_layer=1)
                for b in (4, 6, 8)}
     for bits, state in by_bits.items():
-        assert state.bk is None and state.bv is None and state.qk == state.qv == bits
+        assert state.k.b is None and state.v.b is None and state.k.row_bits == state.v.row_bits == bits
         assert state.key_coeffs().bits == state.value_coeffs().bits == bits and state.rank == D
-    assert by_bits[6].uk.dtype == torch.uint8 and by_bits[6].uk.shape[-1] == D * 3 // 4
-    assert by_bits[6].uk.nbytes * 4 == by_bits[8].uk.nbytes * 3
+    assert by_bits[6].k.u.dtype == torch.uint8 and by_bits[6].k.u.shape[-1] == D * 3 // 4
+    assert by_bits[6].k.u.nbytes * 4 == by_bits[8].k.u.nbytes * 3
     ref = (dk[1:], dv[1:])
     err = {b: _rel_err(replace(s, first_layer=0), *ref) for b, s in by_bits.items()}
     assert err[8] < err[6] < err[4] and err[6] < 0.001, err
     moved = by_bits[6].to("cpu")                             # the bits travel with the state
-    assert moved.qk == moved.qv == 6 and torch.equal(moved.key_coeffs().at(), by_bits[6].key_coeffs().at())
+    assert moved.k.row_bits == moved.v.row_bits == 6
+    assert torch.equal(moved.key_coeffs().at(), by_bits[6].key_coeffs().at())
     # States of different bits read together (a view joins every state of a layer).
     both = Coeffs.joined([by_bits[6].key_coeffs(), by_bits[8].key_coeffs()], 2)
     assert torch.equal(both, torch.cat([by_bits[6].key_coeffs().at(2), by_bits[8].key_coeffs().at(2)], dim=1))
     parts = compress_joint([dk], [dv], [rows], 8, Format(torch.int8, small_rows=True, small_bits=6))
-    assert parts[0].qk == parts[0].qv == 6
+    assert parts[0].k.row_bits == parts[0].v.row_bits == 6
     with pytest.raises(ValueError, match="small_bits"):
         compress(dk, dv, rows, 8, Format(torch.int8, small_rows=True, small_bits=5))
     with pytest.raises(ValueError, match="code bits"):
-        replace(compress(dk, dv, rows, 8, Format(torch.int8)), qk=6)
+        replace(compress(dk, dv, rows, 8, Format(torch.int8)).k, row_bits=6)
 
 
 def _rel_err(state: LowRankDelta, dk: torch.Tensor, dv: torch.Tensor) -> float:
@@ -410,29 +413,29 @@ def test_u8_components_store_the_trailing_components_as_4_bit_codes():
     rows = torch.arange(64) * 2
     full = compress(dk, dv, rows, 8, Format(torch.int8))
     tailed = compress(dk, dv, rows, 8, Format(torch.int8, u8=4))
-    assert (full.tk, tailed.tk, tailed.tv) == (0, 4, 4)
-    assert tailed.uk.shape == (L, KVH, 64, 6) and tailed.key_coeffs().rank == tailed.rank == 8
+    assert (full.k.tail4, tailed.k.tail4, tailed.v.tail4) == (0, 4, 4)
+    assert tailed.k.u.shape == (L, KVH, 64, 6) and tailed.key_coeffs().rank == tailed.rank == 8
     assert tailed.nbytes == full.nbytes - 2 * L * KVH * 64 * 2
     codes = tailed.key_coeffs().at()[..., 4:]
     assert codes.abs().max() == 7 and torch.equal(codes, codes.round())
     assert codes.abs().amax(dim=-2).min() == 7                 # every 4-bit component uses its range
-    assert torch.equal(tailed.uk[..., :4], full.uk[..., :4])   # the 8-bit components are untouched
+    assert torch.equal(tailed.k.u[..., :4], full.k.u[..., :4])   # the 8-bit components are untouched
     assert _rel_err(full, dk, dv) < _rel_err(tailed, dk, dv) < _rel_err(compress(dk, dv, rows, 6, Format(torch.int8)),
                                                                         dk, dv)
     # An odd remainder leaves one more component at 8 bits; u8 >= rank stores no 4-bit codes at all.
     odd = compress(dk, dv, rows, 7, Format(torch.int8, u8=4))
-    assert odd.tk == 2 and odd.uk.shape[-1] == 6 and odd.rank == 7
-    assert torch.equal(compress(dk, dv, rows, 8, Format(torch.int8, u8=8)).uk, full.uk)
-    assert compress(dk, dv, rows, 8, Format(torch.float32, u8=4)).tk == 0       # only int8 U has codes
+    assert odd.k.tail4 == 2 and odd.k.u.shape[-1] == 6 and odd.rank == 7
+    assert torch.equal(compress(dk, dv, rows, 8, Format(torch.int8, u8=8)).k.u, full.k.u)
+    assert compress(dk, dv, rows, 8, Format(torch.float32, u8=4)).k.tail4 == 0       # only int8 U has codes
     # With int8 B, in a joint basis, moved, and recompressed: the tail stays what it is.
     parts = compress_joint([dk[:, :, :30], dk[:, :, 30:]], [dv[:, :, :30], dv[:, :, 30:]], [rows[:30], rows[30:]], 8,
                            Format(torch.int8, int8_basis=True, u8=4))
-    assert all(p.tk == 4 and p.bk is parts[0].bk and p.bk.dtype == torch.int8 for p in parts)
+    assert all(p.k.tail4 == 4 and p.k.b is parts[0].k.b and p.k.b.dtype == torch.int8 for p in parts)
     joined = Coeffs.joined([p.key_coeffs() for p in parts], 1)
     torch.testing.assert_close(joined, torch.cat([p.key_coeffs().at(1) for p in parts], dim=1), rtol=0, atol=0)
-    assert parts[0].to("cpu").tk == 4 and compose([tailed], rank=8).tk == 4
+    assert parts[0].to("cpu").k.tail4 == 4 and compose([tailed], rank=8).k.tail4 == 4
     with pytest.raises(ValueError, match="pairs"):
-        LowRankDelta(tailed.rows, tailed.uk, tailed.bk, tailed.uv, tailed.bv, tk=3, tv=4)
+        replace(tailed.k, tail4=3)
 
 
 def test_head_bits_6_packs_the_leading_components_four_to_three_bytes():
@@ -446,8 +449,8 @@ def test_head_bits_6_packs_the_leading_components_four_to_three_bytes():
     rows = torch.arange(64) * 2
     eight = compress(dk, dv, rows, 12, Format(torch.int8, int8_basis=True, u8=8))
     six = compress(dk, dv, rows, 12, Format(torch.int8, int8_basis=True, u8=8, head_bits=6))
-    assert (eight.hk, six.hk, six.hv, six.tk) == (8, 6, 6, 4)
-    assert six.uk.shape == (L, KVH, 64, 6 + 2) and six.rank == six.key_coeffs().rank == 12
+    assert (eight.k.head_bits, six.k.head_bits, six.v.head_bits, six.k.tail4) == (8, 6, 6, 4)
+    assert six.k.u.shape == (L, KVH, 64, 6 + 2) and six.rank == six.key_coeffs().rank == 12
     assert eight.nbytes - six.nbytes == 2 * L * KVH * 64 * 2             # 8 -> 6 bytes a row, per side
     codes = six.key_coeffs().at()
     assert torch.equal(codes, codes.round()) and codes[..., :8].abs().amax(dim=-2).min() == 31
@@ -457,15 +460,15 @@ def test_head_bits_6_packs_the_leading_components_four_to_three_bytes():
     # Joined, moved, split over a joint basis and recompressed, the codes keep their bits.
     parts = compress_joint([dk[:, :, :30], dk[:, :, 30:]], [dv[:, :, :30], dv[:, :, 30:]], [rows[:30], rows[30:]], 12,
                            Format(torch.int8, int8_basis=True, u8=8, head_bits=6))
-    assert all(p.hk == p.hv == 6 for p in parts)
+    assert all(p.k.head_bits == p.v.head_bits == 6 for p in parts)
     joined = Coeffs.joined([p.value_coeffs() for p in parts], 1)
     torch.testing.assert_close(joined, torch.cat([p.value_coeffs().at(1) for p in parts], dim=1), rtol=0, atol=0)
     mixed = Coeffs.joined([six.key_coeffs(), eight.key_coeffs()], 2)
     assert torch.equal(mixed, torch.cat([six.key_coeffs().at(2), eight.key_coeffs().at(2)], dim=1))
-    assert six.to("cpu").hk == 6 and compose([six], rank=12).hk == 6
+    assert six.to("cpu").k.head_bits == 6 and compose([six], rank=12).k.head_bits == 6
     # 10 leading components do not pack in whole bytes: they keep 8 bits.
-    assert compress(dk, dv, rows, 14, Format(torch.int8, u8=10, head_bits=6)).hk == 8
+    assert compress(dk, dv, rows, 14, Format(torch.int8, u8=10, head_bits=6)).k.head_bits == 8
     with pytest.raises(ValueError, match="head_bits"):
         compress(dk, dv, rows, 12, Format(torch.int8, head_bits=4))
     with pytest.raises(ValueError, match="leading components"):
-        replace(eight, hk=6)                                  # 8 int8 columns are not 6-bit codes
+        replace(eight.k, head_bits=6)                          # 8 int8 columns are not 6-bit codes

@@ -110,8 +110,8 @@ def test_joint_states_without_layer_zero(tq, u8):
     k_cache, v_cache, realigner, rows, dks = _three_segments(2, head_dim, kv_heads, layers)
     states = compress_joint(dks, [d.flip(-1) for d in dks], rows, 8, Format(torch.int8, int8_basis=u8 is not None,
                                                                             u8=u8), first_layer=1)
-    assert len({id(s.bk) for s in states}) == 1 and all(s.first_layer == 1 for s in states)
-    assert all(s.tk == s.tv == (4 if u8 else 0) for s in states)
+    assert len({id(s.k.b) for s in states}) == 1 and all(s.first_layer == 1 for s in states)
+    assert all(s.k.tail4 == s.v.tail4 == (4 if u8 else 0) for s in states)
     pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
     for i, state in enumerate(states):
         pieces.append(SegmentPiece(torch.arange(100 + 20 * i, 120 + 20 * i), torch.arange(8 + 20 * i, 28 + 20 * i),
@@ -186,8 +186,8 @@ def test_row_states_of_several_requests_are_joined_in_one_group(tq):
                            first_layer=1)
     second = compress(dks[2], dks[2].flip(-1), rows[2], 40, Format(torch.int8, small_rows=True), first_layer=1)
     states = first + [second]
-    assert all(s.bk is None and s.ck is not None and s.rv is not None for s in states)
-    assert first[0].ck is first[1].ck and first[0].ck is not second.ck
+    assert all(s.k.b is None and s.k.channel_scale is not None and s.v.row_scale is not None for s in states)
+    assert first[0].k.channel_scale is first[1].k.channel_scale is not second.k.channel_scale
     pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
     for i, state in enumerate(states):
         pieces.append(SegmentPiece(torch.arange(100 + 20 * i, 120 + 20 * i), torch.arange(8 + 20 * i, 28 + 20 * i),
@@ -221,7 +221,7 @@ def test_row_states_starting_at_different_layers_keep_their_own_groups(tq):
     k_cache, v_cache, realigner, rows, dks = _three_segments(6, head_dim, kv_heads, layers)
     later = compress(dks[0], dks[0].flip(-1), rows[0], 40, Format(torch.int8, small_rows=True), first_layer=2)
     earlier = compress(dks[1], dks[1].flip(-1), rows[1], 40, Format(torch.int8, small_rows=True), first_layer=1)
-    assert later.bk is None and earlier.bk is None
+    assert later.k.b is None and earlier.k.b is None
     pieces = [OwnPiece(torch.arange(0, 8), torch.arange(8))]
     for i, state in enumerate([later, earlier]):
         pieces.append(SegmentPiece(torch.arange(100 + 20 * i, 120 + 20 * i), torch.arange(8 + 20 * i, 28 + 20 * i),
