@@ -21,7 +21,7 @@ Group = tuple[list[Coeffs], Basis, list[Coeffs], Basis]      # (U_k's, B_k, U_v'
 
 
 # Whether views kept for a decode keep their unpacked codes (``Stack.coefficients``) is
-# ``switches.keep_codes`` (off only to measure what keeping them buys, benchmarks/decode_rate.py).
+# ``switches.keep_codes`` (off only to measure what keeping them buys, kvcmas bench decode-rate).
 
 
 @dataclass
