@@ -153,6 +153,14 @@ class CLibrary:
         self.lib, self.one_thread = lib, one
         return lib
 
+    def flag(self, name: str) -> bool:
+        """What the library's ``int name(void)`` says (how it was built), False when it is not loaded."""
+        lib = self.load()
+        if lib is None:
+            return False
+        getattr(lib, name).restype = ctypes.c_int
+        return bool(getattr(lib, name)())
+
     def threads(self) -> int:
         """How many threads its parallel regions ask for: torch's, where they share its team."""
         return 1 if self.one_thread else torch.get_num_threads()

@@ -19,7 +19,6 @@
 
 int kq_vectorized(void) { return 1; }
 
-
 /* acc[r] += w . x[r]'s block b for the R rows: one block's weights, formed once, for every row. */
 static inline __attribute__((always_inline)) void add_rows(const int R, int K, const float *x, int b, __m512 w0,
                                                            __m512 w1, __m512 acc[][2]) {
@@ -83,7 +82,6 @@ static inline __attribute__((always_inline)) void q8_0_feature(const int R, int 
 #else  /* portable C: the same sums, lane by lane; the compiler vectorizes what it can */
 
 int kq_vectorized(void) { return 0; }
-
 
 /* acc[r] += w * x[r]'s block b, lane by lane; then each row's lanes summed into out[r]. */
 static inline void add_block(const int R, int K, const float *w, const float *x, int b, float acc[][BLOCK]) {

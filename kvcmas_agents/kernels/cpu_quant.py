@@ -34,20 +34,12 @@ def unavailable() -> str | None:
 
 def vectorized() -> bool:
     """Whether the library was built with its AVX-512 path (else the portable C loops)."""
-    lib = load()
-    if lib is None:
-        return False
-    lib.kq_vectorized.restype = ctypes.c_int
-    return bool(lib.kq_vectorized())
+    return LIB.flag("kq_vectorized")
 
 
 def int8_vectorized() -> bool:
     """Whether the int8 rows' products run on AVX-512 VNNI (else portable loops: no faster than fp32 rows)."""
-    lib = load()
-    if lib is None:
-        return False
-    lib.kq_int8_vectorized.restype = ctypes.c_int
-    return bool(lib.kq_int8_vectorized())
+    return LIB.flag("kq_int8_vectorized")
 
 
 def matmul(x: torch.Tensor, weight: tuple[int, int, int | None], features: int, norm: torch.Tensor | None = None,

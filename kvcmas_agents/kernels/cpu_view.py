@@ -55,11 +55,7 @@ def status(device: torch.device, dtype: torch.dtype) -> str:
 def wide() -> bool:
     """Whether scores and values of 64-wide heads run the AVX-512 loops (sixteen keys a sum, values'
     sums in registers) rather than the portable ones."""
-    lib = load()
-    if lib is None:
-        return False
-    lib.vd_wide_loops.restype = ctypes.c_int
-    return bool(lib.vd_wide_loops())
+    return LIB.flag("vd_wide_loops")
 
 
 def threads() -> int:
