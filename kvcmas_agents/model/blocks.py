@@ -187,10 +187,12 @@ def choose(mode: str, gguf: str | None, args: ModelArgs, weights: dict[str, torc
         return {}, f"dense: {why}"
     int8 = mode == "int8"
     kinds: dict[str, int] = {}
+    wide = 0                    # int8 asked for, but a K that is not whole pairs of blocks keeps fp32 rows
     for name, w in blocks.items():
-        w.int8 = int8
+        w.int8 = int8 and w.shape[1] % 64 == 0
         if name != "lm_head.weight" or w is not blocks.get("model.embed_tokens.weight"):
             kinds[w.kind] = kinds.get(w.kind, 0) + 1
+            wide += int8 and not w.int8
     loops = "" if (cpu_quant.int8_vectorized() if int8 else cpu_quant.vectorized()) else ", portable loops"
-    rows = "int8 rows" if int8 else "fp32 rows"
+    rows = ("int8 rows" + (f", fp32 rows for {wide}" if wide else "")) if int8 else "fp32 rows"
     return blocks, "blocks (" + ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) + f", {rows}{loops})"
