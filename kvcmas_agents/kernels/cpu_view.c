@@ -111,12 +111,29 @@ static void score_keys64(int kvh, int gn, const float *kc, int ctx, int j0, int 
         const float *k[16];
         for (int i = 0; i < 16; i++) k[i] = kc + (size_t)slots[j + i] * kvh * d;
         for (int i = 0; j + 16 + i < j1 && i < 16; i++) prefetch_row(kc + (size_t)slots[j + 16 + i] * kvh * d, kvh * d);
+        /* sixteen keys of one rotation class (the usual case: a piece's keys share one) score against
+         * one query row held in registers; else each key reads its class's row */
+        int c0 = key_class ? (int)key_class[j] : 0, one = 1;
+        for (int i = 1; key_class && i < 16; i++) one &= key_class[j + i] == c0;
         for (int h = 0; h < kvh; h++)
             for (int x = 0; x < gn; x++) {
                 __m512 p[16];
-                for (int i = 0; i < 16; i++) {
-                    int c = key_class ? (int)key_class[j + i] : 0;
-                    p[i] = dot64(qr + (((size_t)c * kvh + h) * gn + x) * d, k[i] + (size_t)h * d);
+                if (one) {
+                    const float *qx = qr + (((size_t)c0 * kvh + h) * gn + x) * d;
+                    __m512 q0 = _mm512_loadu_ps(qx), q1 = _mm512_loadu_ps(qx + 16), q2 = _mm512_loadu_ps(qx + 32),
+                           q3 = _mm512_loadu_ps(qx + 48);
+                    for (int i = 0; i < 16; i++) {
+                        const float *kh = k[i] + (size_t)h * d;
+                        __m512 a = _mm512_mul_ps(q0, _mm512_loadu_ps(kh));
+                        a = _mm512_fmadd_ps(q1, _mm512_loadu_ps(kh + 16), a);
+                        a = _mm512_fmadd_ps(q2, _mm512_loadu_ps(kh + 32), a);
+                        p[i] = _mm512_fmadd_ps(q3, _mm512_loadu_ps(kh + 48), a);
+                    }
+                } else {
+                    for (int i = 0; i < 16; i++) {
+                        int c = (int)key_class[j + i];
+                        p[i] = dot64(qr + (((size_t)c * kvh + h) * gn + x) * d, k[i] + (size_t)h * d);
+                    }
                 }
                 _mm512_storeu_ps(scores + ((size_t)h * gn + x) * ctx + j, sum16(p));
             }

@@ -18,10 +18,10 @@ from kvcmas_agents.reuse.views.reference import OwnPiece, SegmentPiece, view_att
 pytestmark = pytest.mark.skipif(cpu_view.load() is None, reason=str(cpu_view.unavailable()))
 
 
-def _view(kind: str, kv_heads: int, head_dim: int, layers: int, segments: int, keep: bool):
+def _view(kind: str, kv_heads: int, head_dim: int, layers: int, segments: int, keep: bool, chain: bool = True):
     """Pieces over a random cache: an own prefix, ``segments`` reused segments with distinct deltas and
-    corrections stored as ``kind`` (int8 factors, quantized rows, float factors, joint states), and the
-    gathered view of them."""
+    corrections stored as ``kind`` (int8 factors, quantized rows, float factors, joint states), the
+    first one corrected by a chain of two unless not ``chain``, and the gathered view of them."""
     g = torch.Generator().manual_seed(segments)
     k_cache = torch.randn(900, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(900, kv_heads, head_dim, generator=g)
@@ -37,7 +37,7 @@ def _view(kind: str, kv_heads: int, head_dim: int, layers: int, segments: int, k
         states = [compress(dk, dk.flip(-1), r, 8, fmt) for dk, r in zip(dks, rows)]
     pieces = [OwnPiece(torch.arange(0, 10), torch.arange(10))]
     for i, state in enumerate(states):
-        deltas = [state, realigner.rotate_delta(state, 3)] if i == 0 else [state]    # a chain of two
+        deltas = [state, realigner.rotate_delta(state, 3)] if i == 0 and chain else [state]    # a chain of two
         pieces.append(SegmentPiece(torch.arange(200 + 30 * i, 230 + 30 * i), torch.arange(10 + 30 * i, 40 + 30 * i),
                                    7 - 5 * i, deltas))
     view = replace(build_gathered(pieces, realigner, torch.device("cpu"), torch.float32), keep=keep)
@@ -48,11 +48,14 @@ def _view(kind: str, kv_heads: int, head_dim: int, layers: int, segments: int, k
 @pytest.mark.parametrize("queries", [1, 3, 8])
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("one_call", [True, False])
-def test_compiled_loops_match_the_torch_path_and_the_reference(monkeypatch, kind, queries, keep, one_call):
+@pytest.mark.parametrize("chain", [True, False])
+def test_compiled_loops_match_the_torch_path_and_the_reference(monkeypatch, kind, queries, keep, one_call, chain):
     """Both ways the loops serve a layer: one call for all of it (``view_attention``), or one call per
-    part where a stack's bases are not theirs to read."""
+    part where a stack's bases are not theirs to read; over the view's own key order where a chain
+    corrects some keys twice, else over its ``KeyOrder`` (corrected rows first)."""
     kv_heads, head_dim, group, layers = 3, 64, 3, 2
-    pieces, view, k_cache, v_cache, realigner, n = _view(kind, kv_heads, head_dim, layers, 12, keep)
+    pieces, view, k_cache, v_cache, realigner, n = _view(kind, kv_heads, head_dim, layers, 12, keep, chain)
+    assert (view.order is None) == chain
     tail = OwnPiece(torch.arange(700, 700 + queries), torch.arange(n, n + queries))
     view = view.extend(tail.slots)
     served, whole = [], []
@@ -87,6 +90,43 @@ def test_softmax_of_the_compiled_loops_is_exact_to_float_rounding():
     probs = torch.softmax(scores * 0.7, dim=-1)
     want = torch.einsum("hxj,jhd->hxd", probs, v)
     assert torch.allclose(out, want, atol=1e-6, rtol=1e-5), (out - want).abs().max()
+
+
+@pytest.mark.parametrize("codes", ["fp32", "int8", "int8-scaled"])
+@pytest.mark.parametrize("query_rows", [3, 6])
+@pytest.mark.parametrize("rows_are", ["consecutive", "disjoint", "chained"])
+def test_low_rank_terms_over_many_rows_match_torch(codes, query_rows, rows_are):
+    """Runs longer than a share of the work (several blocks, a last one cut short), groups of a few
+    rows around them, rows that are consecutive keys (a view's ``KeyOrder``: whole vectors), that
+    appear once (added into the scores in place) or in two groups (a chain: added in order), and query
+    rows past one tile: the terms torch gives."""
+    torch.manual_seed(query_rows)
+    kvh, ctx, r, sizes = 3, 700, 8, [11, 300, 5]
+    rows = [torch.sort(torch.randperm(ctx)[:n]).values for n in sizes]          # chained
+    if rows_are == "disjoint":                         # each position in one group
+        perm = torch.randperm(ctx)
+        rows = [torch.sort(perm[a:a + n]).values for a, n in zip([0, 11, 311], sizes)]
+    elif rows_are == "consecutive":
+        rows = [torch.arange(40, 40 + sum(sizes))]
+    rows = torch.cat(rows)
+    group = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes))
+    u8 = torch.randint(-127, 128, (kvh, r, rows.numel()), dtype=torch.int8)
+    scale = torch.rand(kvh, rows.numel()) if codes == "int8-scaled" else None
+    u = torch.randn(kvh, r, rows.numel()) if codes == "fp32" else u8.float() * (1 if scale is None else scale[:, None])
+    coeffs = cpu_view.Coeffs(u.contiguous()) if codes == "fp32" else cpu_view.Coeffs(u8, scale)
+    qb = torch.randn(len(sizes), kvh, query_rows, r)
+    scores = torch.randn(kvh, query_rows, ctx)
+    want = scores.clone()
+    for j in range(rows.numel()):
+        want[:, :, rows[j]] += torch.einsum("hxt,ht->hx", qb[group[j]], u[:, :, j])
+    cpu_view.lowrank_scores(scores, rows, group, qb, coeffs)
+    assert torch.allclose(scores, want, atol=1e-3, rtol=1e-5), (scores - want).abs().max()
+    probs = torch.rand(kvh, query_rows, ctx)
+    pu = cpu_view.lowrank_values(probs, rows, group, len(sizes), coeffs)
+    want = torch.zeros_like(pu)
+    for j in range(rows.numel()):
+        want[group[j]] += probs[:, :, rows[j], None] * u[:, None, :, j]
+    assert torch.allclose(pu, want, atol=1e-3, rtol=1e-5), (pu - want).abs().max()
 
 
 def test_without_a_compiler_the_torch_path_serves_and_says_why(monkeypatch, tmp_path):

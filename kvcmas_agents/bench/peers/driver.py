@@ -126,7 +126,8 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
     from kvcmas_agents import Engine, EngineConfig, KVCMASConfig, SamplingParams
 
     engine = Engine(EngineConfig(reuse=mode, weights=variant if variant in ("dense", "int8") else "auto",
-                                 methods={"kvcmas": KVCMASConfig(decode_copy="auto" if variant == "copy" else "off")}))
+                                 methods={"kvcmas": KVCMASConfig(decode_copy="auto" if variant == "copy" else "off",
+                                                                 prefetch="off" if variant == "inline" else "decode")}))
     names = [a for a, _ in trace["agents"]]
     if mode == "kvcmas" and trace.get("edges", True):         # what a registered LangGraph graph gives
         engine.set_edges(list(zip(names, names[1:] + names[:1])))
@@ -146,7 +147,8 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
     def extra() -> dict:
         stats = engine.stats()
         engine.close()
-        label = {"dense": ", dense weights", "int8": ", int8 rows", "copy": ", decode_copy=auto"}.get(variant, "")
+        label = {"dense": ", dense weights", "int8": ", int8 rows", "copy": ", decode_copy=auto",
+                 "inline": ", prefetch=off"}.get(variant, "")
         return {"engine": f"kvcmas reuse={mode}{label}", "weights": stats["engine"]["weights"],
                 "reuse_fallbacks": stats["counters"]["reuse_fallbacks"]}
     return chat, extra

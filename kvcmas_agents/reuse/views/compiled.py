@@ -1,8 +1,9 @@
 """The compiled CPU path: few queries over a view by the compiled loops (``kernels.cpu_view``).
 
-Keys and values are read in place from the cache, every reused key is realigned by rotating the query,
-and the low-rank terms are summed from a stack's kept codes and stored bases, which the loops read as
-packed here (kept with the stack: pointers, no copies).
+Keys and values are read in place from the cache, in the view's ``KeyOrder`` where it has one (its
+corrected rows first, so that their terms are whole vectors), every reused key is realigned by
+rotating the query, and the low-rank terms are summed from a stack's kept codes and stored bases, which
+the loops read as packed here (kept with the stack: pointers, no copies).
 """
 from __future__ import annotations
 
@@ -36,20 +37,22 @@ def _compiled_attention(q: torch.Tensor, view: GatheredLayout, k_cache: torch.Te
     q = q.contiguous()
     n, kvh = q.shape[0], k_cache.shape[1]
     rotated = view.cos.shape[0] > 0
+    slots, key_class = (view.slots, view.key_class) if view.order is None else (view.order.slots, view.order.key_class)
+    key_class = key_class if rotated else None
     tables = [_compiled_table(st, active, layer, view.keep, q.shape[-1])
               for st in view.stacks if (active := st.active(layer))]
     if all(t is not None for t in tables):              # one call for the layer (the usual case)
-        out = cpu_view.view_attention(q, k_cache, v_cache, view.slots, view.key_class if rotated else None,
-                                      view.q_cos, view.q_sin, scale, [t[0] for t in tables])
+        out = cpu_view.view_attention(q, k_cache, v_cache, slots, key_class, view.q_cos, view.q_sin, scale,
+                                      [t[0] for t in tables])
         return ungroup(out, n)
-    scores = cpu_view.scores(q, k_cache, view.slots, view.key_class if rotated else None, view.q_cos, view.q_sin)
+    scores = cpu_view.scores(q, k_cache, slots, key_class, view.q_cos, view.q_sin)
     qg = group_queries(q, kvh)
     parts = []
     for st in view.stacks:
         active = st.active(layer)
         if not active:
             continue
-        rows, group, gs = st.leading_rows(active), st.row_groups(active), st.groups[:active]
+        rows, group, gs = st.loop_rows(active), st.row_groups(active), st.groups[:active]
         bases, packed = [gr[1] for gr in gs], _compiled_bases(st, 0, active, layer)
         if packed is not None:
             qb = cpu_view.basis_queries(qg, packed)                                   # [NB, KVH, G*n, r]
@@ -59,7 +62,7 @@ def _compiled_attention(q: torch.Tensor, view: GatheredLayout, k_cache: torch.Te
             qb = (qg @ Basis.stacked(bases, layer, q.dtype).transpose(-1, -2)).contiguous()
         cpu_view.lowrank_scores(scores, rows, group, qb, _compiled_coeffs(st, 0, active, layer, view.keep))
         parts.append((st, active, rows, group, gs))
-    out = cpu_view.softmax_pv(n, scores, scale, v_cache, view.slots)               # scores become probs
+    out = cpu_view.softmax_pv(n, scores, scale, v_cache, slots)                    # scores become probs
     for st, active, rows, group, gs in parts:
         pu = cpu_view.lowrank_values(scores, rows, group, active, _compiled_coeffs(st, 2, active, layer, view.keep))
         bases, packed = [gr[3] for gr in gs], _compiled_bases(st, 2, active, layer)
@@ -83,7 +86,7 @@ def _compiled_table(st: Stack, active: int, layer: int, keep: bool, dim: int) ->
     kc, vc = _compiled_coeffs(st, 0, active, layer, keep), _compiled_coeffs(st, 2, active, layer, keep)
     if (kb.rank or dim) != kc.u.shape[1] or (vb.rank or dim) != vc.u.shape[1]:
         return None
-    rows, group = st.leading_rows(active), st.row_groups(active)
+    rows, group = st.loop_rows(active), st.row_groups(active)
     held = (cpu_view.stack_table(rows, group, active, kc, kb, vc, vb), (kc, vc, kb, vb, rows, group))
     if (0, active, layer) in st.compiled and (2, active, layer) in st.compiled:
         st.tables[key] = held

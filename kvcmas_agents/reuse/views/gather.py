@@ -15,7 +15,7 @@ from ..realign import Realigner
 from ..storage.readers import Basis, Coeffs
 from .compiled import _compiled, _compiled_attention
 from .dense import gathered_kv
-from .layout import GatheredLayout, Group, Stack
+from .layout import GatheredLayout, Group, KeyOrder, Stack
 from .lowrank import _lowrank_attention, _query_side
 from .reference import SegmentPiece
 
@@ -69,8 +69,9 @@ def build_gathered(pieces: list, realigner: Realigner, device: torch.device, dty
     corrections = [(uks, bk, uvs, bv) for _, uks, bk, uvs, bv in groups.values()]
     first = min((u.first for g in corrections for u in g[0] + g[2]), default=0)
     stacks = _stacks(corrections, [torch.cat(g[0]).to(device) for g in groups.values()])
-    return GatheredView(torch.cat(slots).to(device), cos, sin, stacks, first, key_class.to(device),
-                        torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables]))
+    slots_, key_class = torch.cat(slots).to(device), key_class.to(device)
+    return GatheredView(slots_, cos, sin, stacks, first, key_class, torch.stack([c for c, _ in tables]),
+                        torch.stack([s for _, s in tables]), order=KeyOrder.of(slots_, key_class, stacks))
 
 
 def _stacks(corrections: list[Group], rows: list[torch.Tensor]) -> list[Stack]:

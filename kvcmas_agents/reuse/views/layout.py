@@ -46,6 +46,11 @@ class Stack:
         """The key rows of the leading ``groups`` groups (a prefix of ``rows``)."""
         return self.rows[:self.ends[groups - 1]]
 
+    def loop_rows(self, groups: int) -> torch.Tensor:
+        """``leading_rows`` as the compiled loops index keys: their places in the view's ``KeyOrder``
+        where it has one."""
+        return (self.rows if self.ordered is None else self.ordered)[:self.ends[groups - 1]]
+
     def spans(self, groups: int) -> list[tuple[int, int]]:
         """Where each of the leading ``groups`` groups' rows lie in ``rows``."""
         return list(zip([0] + self.ends[:groups - 1], self.ends[:groups]))
@@ -97,12 +102,48 @@ class Stack:
         return self._row_group[:self.ends[groups - 1]]
 
     _row_group: torch.Tensor | None = None
+    ordered: torch.Tensor | None = None     # [R] its rows' places in the view's KeyOrder (consecutive)
     # (side, groups, layer) -> the kept codes as the compiled loops take them (views of ``unpacked``),
     # and the bases as they read them (pointers to the stored ones)
     compiled: dict[tuple[int, int, int], cpu_view.Coeffs] = field(default_factory=dict)
     bases: dict[tuple[int, int, int], cpu_view.Bases | None] = field(default_factory=dict)
     # (groups, layer) -> both sides packed for one call of the loops, and what the table points at
     tables: dict[tuple[int, int], tuple[torch.Tensor, tuple]] = field(default_factory=dict)
+
+
+@dataclass
+class KeyOrder:
+    """A view's keys in the order the compiled loops read them: every stack's rows first, stack by
+    stack, then the other keys in position order (the newest stay last, as causal masking needs), so
+    that each run of a group's rows is consecutive keys and the loops add its score terms and read its
+    probabilities as whole vectors. Attention does not depend on the keys' order; only the rounding of
+    its sums does. Made only where no key is corrected twice (a chain keeps the view's own order)."""
+
+    slots: torch.Tensor          # [N] the view's slots in this order
+    key_class: torch.Tensor      # [N] their rotation classes
+
+    @staticmethod
+    def of(slots: torch.Tensor, key_class: torch.Tensor, stacks: list[Stack]) -> "KeyOrder | None":
+        """The order for a view's keys, setting each stack's ``ordered`` rows; None where a key is in
+        more than one group."""
+        if not stacks:
+            return None
+        rows = torch.cat([st.rows for st in stacks]).to(slots.device)
+        if torch.unique(rows).numel() != rows.numel():
+            return None
+        rest = torch.ones(slots.numel(), dtype=torch.bool, device=slots.device)
+        rest[rows] = False
+        order = torch.cat([rows, torch.nonzero(rest).flatten()])
+        at = 0
+        for st in stacks:
+            st.ordered = torch.arange(at, at + st.rows.numel(), device=st.rows.device)
+            at += st.rows.numel()
+        return KeyOrder(slots[order], key_class[order])
+
+    def extend(self, slots: torch.Tensor) -> "KeyOrder":
+        """The same order followed by plain own keys."""
+        return KeyOrder(torch.cat([self.slots, slots]),
+                        torch.cat([self.key_class, self.key_class.new_zeros(slots.numel())]))
 
 
 @dataclass
@@ -130,6 +171,7 @@ class GatheredLayout:
     # decode; views built for one call leave it off.
     keep: bool = False
     widest: int | None = None       # the widest rank the compiled loops would read (once known)
+    order: KeyOrder | None = None   # the keys as the compiled loops read them (``KeyOrder``)
 
     def kept_bytes(self) -> int:
         """Bytes of unpacked codes this view keeps (``keep``)."""
@@ -139,7 +181,8 @@ class GatheredLayout:
         """The same view followed by plain own keys (a request's tail as it grows)."""
         slots = slots.to(self.slots.device)
         return replace(self, slots=torch.cat([self.slots, slots]),
-                       key_class=torch.cat([self.key_class, self.key_class.new_zeros(slots.numel())]))
+                       key_class=torch.cat([self.key_class, self.key_class.new_zeros(slots.numel())]),
+                       order=None if self.order is None else self.order.extend(slots))
 
 
 def _coefficients(us: list[Coeffs], layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
