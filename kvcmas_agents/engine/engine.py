@@ -109,7 +109,8 @@ class Engine:
         self.attention_loops = cpu_view.status(self.device, self.store.k.dtype)
         ctx = ReuseContext(self.model, self.store, prefix, self.segments, realigner, self.view_path,
                            self._order.predecessors, self._order.successors, side_request,
-                           self.scheduler.reserve, self.scheduler.release, self.scheduler.take_blocks)
+                           self.scheduler.apply_plan, self.scheduler.reserve, self.scheduler.release,
+                           self.scheduler.own_holes)
         for name in names():
             cls = method_class(name)
             self.methods[name] = cls(ctx, cls.settings_of(cfg))

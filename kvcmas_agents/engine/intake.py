@@ -94,9 +94,7 @@ class Intake:
             req.grammar = self.grammars.state(TEXT_ANSWER)
 
 
-def side_request(request_id: str, agent: str, prompt: RenderedPrompt, options: ReuseOptions,
-                 select_from: int | None = None) -> Request:
+def side_request(request_id: str, agent: str, prompt: RenderedPrompt, options: ReuseOptions) -> Request:
     """A request the worker plans and prepares but never admits (work ahead of time)."""
     return Request(request_id=request_id, agent=agent, prompt=prompt, sampling=SamplingParams(max_tokens=1),
-                   max_new_tokens=1, detok=None, sink=lambda event: None, options=options,
-                   select_from=select_from)
+                   max_new_tokens=1, detok=None, sink=lambda event: None, options=options)

@@ -19,6 +19,7 @@ from ..cache.kv_store import KVStore
 from ..cache.prefix_cache import PrefixCache
 from ..errors import EngineError
 from ..reuse.base import ReuseMethod
+from ..reuse.plan import EMPTY_PLAN, ReusePlan
 from .budget import KVBudget
 from .config import EngineConfig
 from .request import Request
@@ -123,14 +124,15 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self._unplan(req)
-        req.recomputed_tokens = req.indexed_blocks = req.index_parent = 0
-        req.registered, req.select_from, req.view_base = False, None, None
+        req.recomputed_tokens = 0
         req.exact_fallback = True
         self.waiting.appendleft(req)
 
     def _unplan(self, req: Request) -> None:
+        """Undo a plan: what it took is released (its method drops its state of the request) and the
+        request is laid out as if it reused nothing."""
         self.release(req)
-        req.num_computed = req.cached_tokens = req.reused_tokens = req.own_prefix_end = req.reuse_end = 0
+        self.apply_plan(req, EMPTY_PLAN)
 
     # --- side requests (work ahead of time, e.g. KVCMAS's prefetch) ------------------------------
     def reserve(self, req: Request, num_tokens: int) -> bool:
@@ -144,12 +146,17 @@ class Scheduler:
         self.ensure_blocks(req, num_tokens)
         return True
 
-    def take_blocks(self, n: int) -> list[int] | None:
-        """``n`` blocks for a running request beyond what it was promised, when they fit next to every
-        promise (evicting unreferenced cached blocks if need be); else None and nothing taken."""
-        if n > self.room:
-            return None
-        return [self.store.allocate() for _ in range(n)]
+    def own_holes(self, req: Request) -> bool:
+        """Blocks of its own for a running request's holes (positions it reads from other contexts),
+        beyond what it was promised, when they fit next to every promise (evicting unreferenced cached
+        blocks if need be); all of [0, reuse_end) is then its own prefix. False: nothing changed."""
+        holes = [i for i, b in enumerate(req.blocks) if b < 0]
+        if len(holes) > self.room:
+            return False
+        for i, b in zip(holes, [self.store.allocate() for _ in holes]):
+            req.blocks[i] = b
+        req.own_prefix_end, req.own_spans = req.reuse_end, ()
+        return True
 
     @property
     def promised(self) -> int:
@@ -172,11 +179,19 @@ class Scheduler:
         if req.prompt.prefix_stable and not req.exact_fallback:
             try:
                 with req.timings.phase("plan"):
-                    self.method_of(req).plan(req)
+                    self.apply_plan(req, self.method_of(req).plan(req))
             except Exception as exc:      # an optimization failed: the request is prefilled exactly
                 self._unplan(req)
                 req.exact_fallback = True
                 self._record_fallback(req, "plan", exc)
+
+    def apply_plan(self, req: Request, plan: ReusePlan) -> None:
+        """Lay a plan out on a request with nothing computed yet: the plan's blocks are its first ones,
+        computed already; its layout says which positions it computes and which it reads from others."""
+        req.blocks = list(plan.blocks)
+        req.num_computed = len(plan.blocks) * self.store.block_size
+        req.cached_tokens, req.reused_tokens = plan.cached_tokens, plan.reused_tokens
+        req.own_prefix_end, req.reuse_end, req.own_spans = plan.own_prefix_end, plan.reuse_end, plan.own_spans
 
     def finish(self, req: Request) -> None:
         """Release a request's KV (running or waiting); cached blocks stay indexed."""

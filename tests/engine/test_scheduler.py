@@ -21,6 +21,7 @@ from kvcmas_agents.engine.stats import Counters
 from kvcmas_agents.errors import EngineError
 from kvcmas_agents.reuse import ReuseContext, method_class
 from kvcmas_agents.reuse.base import ReuseMethod
+from kvcmas_agents.reuse.plan import ReusePlan
 
 BS = 4
 _ids = itertools.count()
@@ -36,7 +37,7 @@ def make_sched(num_blocks: int = 16, reuse: str = "prefix", max_batch_tokens: in
                        max_num_seqs=max_num_seqs, kv_budget_bytes=num_blocks * block_bytes)
     prefix = PrefixCache(store, index)
     # The exact modes need no model: only the store and the prefix cache.
-    ctx = ReuseContext(None, store, prefix, None, None, "gather", lambda a: [], lambda a: [], None, None, None)
+    ctx = ReuseContext(None, store, prefix, None, None, "gather", lambda a: [], lambda a: [], None, None, None, None)
     methods = {name: method_class(name)(ctx) for name in ("none", "prefix")}
     methods[None] = methods[cfg.reuse]        # requests never added (side requests) keep unresolved options
     budget = KVBudget(store, methods, lambda: False)
@@ -214,19 +215,22 @@ PREFIX = list(range(100, 112))                         # 3 full blocks
 def test_committed_advances_and_indexes_full_blocks():
     s = make_sched(num_blocks=16, max_batch_tokens=5)
     r = make_req(PREFIX + [7, 8], max_new=5)
+    indexed = s.methods["prefix"].indexed         # the method's own state of each request
     s.add(r)
     step(s)
-    assert r.num_computed == 5 and r.indexed_blocks == 1
+    assert r.num_computed == 5 and indexed(r).blocks == 1
     assert s.prefix.is_cached(r.blocks[0]) and not s.prefix.is_cached(r.blocks[1])
     step(s)
-    assert r.num_computed == 10 and r.indexed_blocks == 2
+    assert r.num_computed == 10 and indexed(r).blocks == 2
     step(s)
-    assert r.num_computed == 14 and r.indexed_blocks == 3 and r.output_ids == [1000]
+    assert r.num_computed == 14 and indexed(r).blocks == 3 and r.output_ids == [1000]
     step(s)                                            # decode of token 14 (the sampled one)
-    assert r.num_computed == 15 and r.indexed_blocks == 3
+    assert r.num_computed == 15 and indexed(r).blocks == 3
     step(s)                                            # token 15 fills block 3 (incl. generated tokens)
-    assert r.num_computed == 16 and r.indexed_blocks == 4
+    assert r.num_computed == 16 and indexed(r).blocks == 4
     assert s.prefix.is_cached(r.blocks[3])
+    s.finish(r)
+    assert indexed.get(r) is None and len(indexed) == 0   # dropped with the request
 
 
 def test_same_agent_reuses_prefix_but_runs_at_least_one_token():
@@ -366,19 +370,27 @@ def test_side_request_reserve_and_release_leave_no_trace():
     assert s.store.stats().blocks_active == 0 and s.promised == 0
 
 
-def test_take_blocks_gives_only_what_fits_next_to_the_promises():
-    """A running request may take blocks beyond its promise (a decode copy of its view), never ones
-    promised to another."""
+def test_own_holes_gives_only_what_fits_next_to_the_promises():
+    """A running request may take blocks beyond its promise for its holes (a decode copy of its view),
+    never ones promised to another; then it owns all of its reused span."""
     s = make_sched(num_blocks=8)
     running = make_req(list(range(BS * 3)), max_new=BS)       # promises 4 blocks
     s.add(running)
     s.admit()
-    assert s.take_blocks(5) is None and s.store.stats().blocks_active == 0
-    got = s.take_blocks(4)
-    assert got is not None and len(set(got)) == 4 and s.room == 0
-    for b in got:
-        s.store.decref(b, cached=False)
-    assert s.room == 4
+    wide, narrow = make_req(list(range(100, 100 + BS * 6))), make_req(list(range(200, 200 + BS * 4)))
+    for req, end in ((wide, BS * 5), (narrow, BS * 3)):       # a new token in block 1, the rest reused
+        s.apply_plan(req, ReusePlan(reuse_end=end, own_spans=((BS, BS + 1),)))
+        assert s.reserve(req, end)
+    assert wide.blocks[0] == wide.blocks[2] == -1 and wide.blocks[1] >= 0 and s.room == 2
+    assert not s.own_holes(wide)                               # 4 holes, room for 2: nothing changes
+    assert wide.blocks.count(-1) == 4 and wide.own_prefix_end == 0 and wide.is_hole(0, BS)
+    assert s.own_holes(narrow) and s.room == 0 and min(narrow.blocks) >= 0
+    assert narrow.own_prefix_end == narrow.reuse_end and narrow.own_spans == () and not narrow.is_hole(0, BS)
+    s.release(wide)
+    s.release(narrow)
+    s.finish(running)
+    assert s.store.stats().blocks_active == 0 and s.promised == 0
+
 
 
 # --------------------------------------------------------------------------- work off the critical path

@@ -371,7 +371,7 @@ async def test_a_long_newest_message_is_recomputed_whole_only_near_the_tail(engi
 
     def spy(view, pending, newest_whole):
         rows, capped = select.select_rows(view, pending, newest_whole)
-        picked.append((view.req.reuse_end, [(p.start, p.end) for p in pending], rows))
+        picked.append((view.reuse_end, [(p.start, p.end) for p in pending], rows))
         return rows, capped
 
     monkeypatch.setattr(correction, "select_rows", spy)

@@ -22,7 +22,7 @@ async def later_turn(copy: str, sampling: SamplingParams = DECODE, room: bool = 
     ``room=False``: the KV budget has no blocks to spare for a copy."""
     eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, decode_copy=copy)))
     if not room:
-        eng.methods["kvcmas"].ctx.take_blocks = lambda n: None
+        eng.methods["kvcmas"].ctx.own_holes = lambda req: False
     try:
         history = [{"role": "user", "content": TASK}]
         first = await eng.generate(prompt("planner", history), agent="planner", sampling=SamplingParams(max_tokens=32))

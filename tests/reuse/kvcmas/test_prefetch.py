@@ -240,7 +240,7 @@ async def test_a_prefetch_that_would_spare_few_rows_recomputes_them_all_without_
     real_mass = select.attention_mass
 
     def spy(view, pending):
-        ranked.append(view.req.select_from is not None)     # True: an ahead-of-time correction's pass
+        ranked.append(view.select_from is not None)     # True: an ahead-of-time correction's pass
         return real_mass(view, pending)
 
     engine, exact = Engine(EngineConfig(reuse="kvcmas")), Engine(EngineConfig(reuse="none"))
