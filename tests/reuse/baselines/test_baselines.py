@@ -83,6 +83,7 @@ async def test_cacheblend_pipeline(engine):
     assert stats["memory"]["blocks_in_use"] == len(engine.segments.home_blocks)
     assert stats["memory"]["kv_bytes"] == stats["memory"]["home_view_bytes"] + stats["memory"]["kv_bytes_cached"]
     assert stats["reuse"]["cacheblend"]["ratio"] == 0.15
+    assert len(engine.methods["cacheblend"].states) == 0        # each request's state went with it
 
 
 async def test_cacheblend_holds_a_private_copy(engine):

@@ -28,6 +28,7 @@ async def later_turn(copy: str, sampling: SamplingParams = DECODE, room: bool = 
         first = await eng.generate(prompt("planner", history), agent="planner", sampling=SamplingParams(max_tokens=32))
         history.append({"role": "user", "content": f"[planner] {first.text}"})
         out = await eng.generate(prompt("coder", history), agent="coder", sampling=sampling)
+        assert len(eng.methods["kvcmas"].states) == 0          # each request's state went with it
         return out, eng.stats(), history
     finally:
         await eng.aclose()
