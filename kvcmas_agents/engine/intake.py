@@ -80,7 +80,7 @@ class Intake:
                 raise InvalidRequestError("constrained output (response_format or a forced tool_choice) cannot "
                                           "be combined with ignore_eos or forced_tokens")
             req.grammar = self.grammars.state(spec)
-        need = self.scheduler.blocks_for(req.max_total_tokens)
+        need = self.scheduler.blocks.blocks_for(req.max_total_tokens)
         if need > self.scheduler.store.num_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks ({len(prompt.token_ids)} prompt + {max_new} new tokens) but "

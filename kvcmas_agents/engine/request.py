@@ -43,7 +43,7 @@ class Request:
     reused_tokens: int = 0
     recomputed_tokens: int = 0
     options: ReuseOptions = field(default_factory=ReuseOptions)   # resolved reuse knobs
-    # Its reuse plan's layout (``reuse.plan.ReusePlan``, set by ``Scheduler.apply_plan``):
+    # Its reuse plan's layout (``reuse.plan.ReusePlan``, set by ``RequestBlocks.apply_plan``):
     own_prefix_end: int = 0                # own prefill [0, own_prefix_end), then the reused span, then own tail
     reuse_end: int = 0                     # first position after the reused span
     own_spans: tuple[tuple[int, int], ...] = ()   # inside the reused span: positions with own KV blocks

@@ -61,7 +61,8 @@ class ReuseRequest(Protocol):
 @dataclass
 class ReuseContext:
     """What the engine shares with every reuse method: the model, KV memory, the home views, and the
-    few engine services a method may call back (side requests for work ahead of time)."""
+    few block services a method may call (side requests for work ahead of time, a decode copy's blocks);
+    none of them calls a method back."""
 
     model: LlamaModel
     store: KVStore
@@ -74,7 +75,7 @@ class ReuseContext:
     side_request: Callable[..., ReuseRequest]            # (request_id, agent, prompt, options)
     apply: Callable[[ReuseRequest, ReusePlan], None]     # lay a side request's plan out (as admission does)
     reserve: Callable[[ReuseRequest, int], bool]         # promise and allocate a side request's blocks
-    release: Callable[[ReuseRequest], None]              # free them (and the method's pins)
+    release: Callable[[ReuseRequest], None]              # free its blocks and promises (not the method's pins)
     own_holes: Callable[[ReuseRequest], bool] = lambda req: False   # own blocks for a running request's holes
 
     @property

@@ -26,7 +26,8 @@ class KVCMAS(CrossAgentMethod):
         super().__init__(ctx, settings or KVCMASConfig())
         s = self.settings
         self.corrector = Corrector(ctx, s.storage, s.recompute_newest)
-        self.prefetcher = (Prefetcher(ctx, self.plan, self.request_view, self.correct, s.prefetch_ratio)
+        self.prefetcher = (Prefetcher(ctx, self.plan, self.request_view, self.correct, self.release,
+                                      s.prefetch_ratio)
                            if s.prefetch != "off" else None)
         self.decode_copies = self.decode_copy_blocks = 0
 

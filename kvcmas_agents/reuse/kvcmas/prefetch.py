@@ -71,14 +71,14 @@ class Prefetcher:
     """Queues and runs a KVCMAS method's ahead-of-time corrections, one pending per agent.
 
     Each predicted side request is planned (``plan``: the method's), seen as a ``RequestView``
-    (``view_of``: its plan, with the predicted selection queries) and corrected (``correct``): the
-    prefetcher needs no more of the method than these.
+    (``view_of``: its plan, with the predicted selection queries), corrected (``correct``) and let go
+    of (``release``): the prefetcher needs no more of the method than these.
     """
 
     def __init__(self, ctx: ReuseContext, plan: Callable[[ReuseRequest], ReusePlan],
                  view_of: Callable[[ReuseRequest, int], RequestView], correct: Callable[[RequestView], None],
-                 ratio: float = 0.0):
-        self.ctx, self.plan, self.view_of, self.correct = ctx, plan, view_of, correct
+                 release: Callable[[ReuseRequest], None], ratio: float = 0.0):
+        self.ctx, self.plan, self.view_of, self.correct, self.release = ctx, plan, view_of, correct, release
         self._prefixes: dict[str, _Prefix] = {}
         self._queue: OrderedDict[str, _Prediction] = OrderedDict()     # one pending prefetch per agent
         self.stats = PrefetchStats()
@@ -165,7 +165,8 @@ class Prefetcher:
         except Exception:          # a prefetch is an optimisation: the real request corrects inline
             self.stats.failed += 1
         finally:
-            ctx.release(req)
+            self.release(req)                               # unpins, and drops the method's state of it
+            ctx.release(req)                                # frees its blocks
             self.stats.seconds += time.perf_counter() - t0
 
     def clear(self) -> None:
