@@ -37,7 +37,8 @@ class CrossAgentMethod(ReuseMethod):
 
     def kept_code_bytes(self) -> int:
         """What running requests' kept views hold besides their KV (unpacked correction codes)."""
-        return sum(st.view_base[1].kept_bytes() for st in self.states.values() if st.view_base is not None)
+        # (stats read it from other threads: each state's view base is read once)
+        return sum(vb[1].kept_bytes() for st in self.states.values() if (vb := st.view_base) is not None)
 
     def state_bytes(self) -> int:
         return self.kept_code_bytes()
