@@ -40,7 +40,8 @@ VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-torch": 
 
 
 async def _engine(mode: str, knobs: dict, threads: int) -> Engine:
-    engine = Engine(EngineConfig(reuse=mode, num_threads=threads, kvcmas=KVCMASConfig(prefetch="off", **knobs)))
+    engine = Engine(EngineConfig(reuse=mode, num_threads=threads,
+                                 methods={"kvcmas": KVCMASConfig(prefetch="off", **knobs)}))
     agent, handoff = next(iter(LATER.items()))
     await lead_history(engine)
     await engine.generate(prompt(agent, handoff), agent=agent, sampling=SamplingParams(max_tokens=1))

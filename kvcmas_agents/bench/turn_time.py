@@ -28,7 +28,7 @@ HELP = "later agents' TTFT over one shared history, nothing declared, by phase"
 
 async def one_round(mode: str, kvcmas: KVCMASConfig) -> dict[str, dict]:
     """A fresh engine: the lead computes the history, then each later agent's first token."""
-    engine = Engine(EngineConfig(reuse=mode, kvcmas=kvcmas))
+    engine = Engine(EngineConfig(reuse=mode, methods={"kvcmas": kvcmas}))
     try:
         await lead_history(engine)
         outs = {}

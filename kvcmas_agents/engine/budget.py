@@ -22,9 +22,7 @@ class KVBudget:
 
     def __init__(self, store: KVStore, holders: Mapping[str, StateHolder], evict_home: Callable[[], bool]):
         self.store = store
-        # The reuse methods by name, read at each call: the engine fills the mapping once they are built
-        # (they call back into the scheduler, which is built with this budget).
-        self.holders = holders
+        self.holders = holders           # the reuse methods by name
         self.evict_home = evict_home     # drops the least recently used unpinned home view; False when none can go
         self.peak_total = 0              # most bytes of blocks and state held at once (``reset_peak``)
         self.state_over_budget = 0       # most bytes of state that could not be charged (in use by requests)

@@ -31,6 +31,7 @@ from ..reuse import ReuseContext, ReuseMethod, ReuseOptions, method_class, names
 from ..reuse.realign import Realigner, refuses
 from ..reuse.segments import SegmentStore
 from ..reuse.views import choose_view_path
+from .blocks import RequestBlocks
 from .budget import KVBudget
 from .config import EngineConfig, SamplingParams
 from .edges import EdgeOrder
@@ -94,25 +95,26 @@ class Engine:
                              cfg.block_size, cfg.kv_budget_bytes, self.device, self.model.dtype, index.forget)
         prefix = PrefixCache(self.store, index)
         self.segments = SegmentStore(self.store, prefix.is_cached)
-        # The reuse methods by name, filled below: they are built over the scheduler's services, and the
-        # scheduler and the budget read them through this mapping.
-        methods: dict[str, ReuseMethod] = {}
-        self.methods = methods
-        self.counters = Counters()
-        self.budget = KVBudget(self.store, methods, self.segments.evict_one)
-        self.scheduler = Scheduler(cfg, self.store, prefix, methods, self.budget, self.counters)
         self.realign_refused = refuses(loaded.args.rope_scaling)
         realigner = Realigner.from_rope(self.model.rope)
         a = loaded.args
         self.view_path, self.view_fallback = choose_view_path(cfg.view_path, realigner, a.num_kv_heads, a.num_heads,
                                                          a.head_dim, self.device, self.store.k.dtype)
         self.attention_loops = cpu_view.status(self.device, self.store.k.dtype)
+        # The reuse methods come first: their block services are the request blocks', which know no method;
+        # the budget and the scheduler then get them built.
+        blocks = RequestBlocks(self.store, prefix)
         ctx = ReuseContext(self.model, self.store, prefix, self.segments, realigner, self.view_path,
                            self._order.predecessors, self._order.successors, side_request,
-                           self.scheduler.reserve, self.scheduler.release, self.scheduler.take_blocks)
+                           blocks.apply_plan, blocks.reserve, blocks.free, blocks.own_holes)
+        methods: dict[str, ReuseMethod] = {}
         for name in names():
             cls = method_class(name)
-            self.methods[name] = cls(ctx, cls.settings_of(cfg))
+            methods[name] = cls(ctx, cls.settings_of(cfg))
+        self.methods = methods
+        self.counters = Counters()
+        self.budget = KVBudget(self.store, methods, self.segments.evict_one)
+        self.scheduler = Scheduler(cfg, blocks, methods, self.budget, self.counters)
         # Callbacks close over parts, never over the engine (see __init__).
         self.runner = ModelRunner(self.model, self.store, lambda req, end: methods[req.options.reuse].view(req, end))
         self.formatter = ChatFormatter(self.tokenizer, self.max_context)

@@ -80,7 +80,7 @@ class Intake:
                 raise InvalidRequestError("constrained output (response_format or a forced tool_choice) cannot "
                                           "be combined with ignore_eos or forced_tokens")
             req.grammar = self.grammars.state(spec)
-        need = self.scheduler.blocks_for(req.max_total_tokens)
+        need = self.scheduler.blocks.blocks_for(req.max_total_tokens)
         if need > self.scheduler.store.num_blocks:
             raise InvalidRequestError(
                 f"request needs {need} KV blocks ({len(prompt.token_ids)} prompt + {max_new} new tokens) but "
@@ -94,9 +94,7 @@ class Intake:
             req.grammar = self.grammars.state(TEXT_ANSWER)
 
 
-def side_request(request_id: str, agent: str, prompt: RenderedPrompt, options: ReuseOptions,
-                 select_from: int | None = None) -> Request:
+def side_request(request_id: str, agent: str, prompt: RenderedPrompt, options: ReuseOptions) -> Request:
     """A request the worker plans and prepares but never admits (work ahead of time)."""
     return Request(request_id=request_id, agent=agent, prompt=prompt, sampling=SamplingParams(max_tokens=1),
-                   max_new_tokens=1, detok=None, sink=lambda event: None, options=options,
-                   select_from=select_from)
+                   max_new_tokens=1, detok=None, sink=lambda event: None, options=options)

@@ -1,4 +1,5 @@
-"""Per-request state that the scheduler, the runner and the reuse methods share inside the worker."""
+"""Per-request state that the scheduler, the runner and the reuse methods share inside the worker (a
+method keeps its own bookkeeping of a request itself: ``reuse.plan.RequestStates``)."""
 from __future__ import annotations
 
 import time
@@ -11,7 +12,6 @@ from ..chat.detokenize import IncrementalDetokenizer
 from ..chat.template import RenderedPrompt
 from ..model.grammar import GrammarState
 from ..reuse.options import ReuseOptions
-from ..reuse.pieces import ReusePiece
 from ..timing import Timings
 from .config import SamplingParams
 
@@ -39,18 +39,14 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     reserved_blocks: int = 0               # blocks promised at admission, not yet allocated
     num_computed: int = 0                  # tokens whose KV is in the cache
-    cached_tokens: int = 0                 # prompt tokens served by the prefix cache
+    cached_tokens: int = 0                 # exact KV it did not compute (prefix cache, exact home views)
     reused_tokens: int = 0
     recomputed_tokens: int = 0
-    indexed_blocks: int = 0                # leading blocks already in the prefix index
-    index_parent: int = 0                  # chained hash after the indexed blocks
     options: ReuseOptions = field(default_factory=ReuseOptions)   # resolved reuse knobs
-    pieces: list[ReusePiece] = field(default_factory=list)
-    own_prefix_end: int = 0                # own prefill [0, own_prefix_end), then pieces, then own tail
-    reuse_end: int = 0                     # first position after the reused pieces
-    registered: bool = False               # home views of its own segments registered
-    select_from: int | None = None         # first query position of the selection pass (None: reuse_end)
-    view_base: tuple | None = None         # (layout key, GatheredView of [0, reuse_end)), kept while decoding
+    # Its reuse plan's layout (``reuse.plan.ReusePlan``, set by ``RequestBlocks.apply_plan``):
+    own_prefix_end: int = 0                # own prefill [0, own_prefix_end), then the reused span, then own tail
+    reuse_end: int = 0                     # first position after the reused span
+    own_spans: tuple[tuple[int, int], ...] = ()   # inside the reused span: positions with own KV blocks
     finish_reason: str | None = None
     stop_reason: str | None = None
     aborted: bool = False
@@ -88,11 +84,4 @@ class Request:
     def is_hole(self, start: int, end: int) -> bool:
         """True when positions [start, end) all lie in reused pieces (no own KV needed there)."""
         return (self.own_prefix_end <= start and end <= self.reuse_end
-                and not any((p.home is None or p.private) and p.start < end and start < p.end
-                            for p in self.pieces))
-
-    def owns(self, start: int, end: int) -> bool:
-        """True when this request computes the KV of positions [start, end) itself."""
-        if end <= self.own_prefix_end or start >= self.reuse_end:
-            return True
-        return any(p.home is None and p.start <= start and end <= p.end for p in self.pieces)
+                and not any(a < end and start < b for a, b in self.own_spans))

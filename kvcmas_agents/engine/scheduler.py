@@ -1,5 +1,5 @@
-"""Admission, preparation, KV block bookkeeping and step planning (continuous batching with chunked
-prefill), and when work off the critical path runs.
+"""Admission, planning, preparation and step planning (continuous batching with chunked prefill), and
+when work off the critical path runs; requests' blocks and promises are kept by ``blocks.py``.
 
 Each step mixes one decode token per running request with prompt chunks, under a token budget.
 A request is admitted only when the blocks for its whole prompt and max_tokens can be promised,
@@ -15,10 +15,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..cache.kv_store import KVStore
-from ..cache.prefix_cache import PrefixCache
 from ..errors import EngineError
 from ..reuse.base import ReuseMethod
+from ..reuse.plan import EMPTY_PLAN
+from .blocks import RequestBlocks
 from .budget import KVBudget
 from .config import EngineConfig
 from .request import Request
@@ -39,12 +39,12 @@ class StepItem:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, store: KVStore, prefix: PrefixCache,
-                 methods: Mapping[str, ReuseMethod], budget: KVBudget, counters: Counters):
+    def __init__(self, config: EngineConfig, blocks: RequestBlocks, methods: Mapping[str, ReuseMethod],
+                 budget: KVBudget, counters: Counters):
         self.config = config
-        self.store = store
-        self.prefix = prefix
-        self.methods = methods         # the reuse methods by name (filled by the engine once they are built)
+        self.blocks = blocks           # requests' blocks and promises
+        self.store = blocks.store
+        self.methods = methods         # the reuse methods by name
         self.budget = budget           # charges state, reclaims room (LRU state, then home views)
         self.counters = counters
         self.waiting: deque[Request] = deque()
@@ -57,9 +57,6 @@ class Scheduler:
         return self.methods[req.options.reuse]
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.store.block_size)
-
     def add(self, req: Request) -> None:
         if req.options.reuse is None:
             req.options = req.options.resolve(self.config)
@@ -85,17 +82,17 @@ class Scheduler:
             req = self.waiting[0]
             self.plan(req)
             need = self._fit(req)
-            if need > self.room:
+            if need > self.blocks.room:
                 self._unplan(req)
                 if self.running:
                     return
                 req.exact_fallback = True
                 need = self._fit(req)
-                if need > self.room:
+                if need > self.blocks.room:
                     self.waiting.popleft()
                     self._unplan(req)
                     self._failed.append((req, EngineError(
-                        f"request {req.request_id} needs {need} KV blocks but only {self.room} of "
+                        f"request {req.request_id} needs {need} KV blocks but only {self.blocks.room} of "
                         f"{self.store.num_blocks} can be freed with nothing else running")))
                     continue
                 if req.fallback is None:          # (a request requeued by a failure counts there)
@@ -105,14 +102,13 @@ class Scheduler:
             if req.admitted_at is None:
                 req.admitted_at = time.perf_counter()
                 req.timings.add("queue", req.admitted_at - req.arrival)
-            req.reserved_blocks = need
-            self.store.promised += need
+            self.blocks.promise(req, need)
             self.running.append(req)
 
     def _fit(self, req: Request) -> int:
         """Blocks the planned request still needs, after reclaiming budget (unread state, unpinned home views)."""
-        need = self._own_blocks(req, req.max_total_tokens) - len(req.blocks)
-        while need > self.room and self.budget.reclaim():
+        need = self.blocks.own_blocks(req, req.max_total_tokens) - len(req.blocks)
+        while need > self.blocks.room and self.budget.reclaim():
             pass
         return need
 
@@ -123,48 +119,15 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self._unplan(req)
-        req.recomputed_tokens = req.indexed_blocks = req.index_parent = 0
-        req.registered, req.select_from, req.view_base = False, None, None
+        req.recomputed_tokens = 0
         req.exact_fallback = True
         self.waiting.appendleft(req)
 
     def _unplan(self, req: Request) -> None:
+        """Undo a plan: what it took is released (its method drops its state of the request) and the
+        request is laid out as if it reused nothing."""
         self.release(req)
-        req.num_computed = req.cached_tokens = req.reused_tokens = req.own_prefix_end = req.reuse_end = 0
-
-    # --- side requests (work ahead of time, e.g. KVCMAS's prefetch) ------------------------------
-    def reserve(self, req: Request, num_tokens: int) -> bool:
-        """Promise and allocate the blocks a planned request owns for num_tokens; False (nothing taken)
-        when they do not fit next to what running requests were promised."""
-        need = self._own_blocks(req, num_tokens) - len(req.blocks)
-        if need > self.room:
-            return False
-        req.reserved_blocks += need
-        self.store.promised += need
-        self.ensure_blocks(req, num_tokens)
-        return True
-
-    def take_blocks(self, n: int) -> list[int] | None:
-        """``n`` blocks for a running request beyond what it was promised, when they fit next to every
-        promise (evicting unreferenced cached blocks if need be); else None and nothing taken."""
-        if n > self.room:
-            return None
-        return [self.store.allocate() for _ in range(n)]
-
-    @property
-    def promised(self) -> int:
-        """Blocks promised to running requests and not yet allocated."""
-        return self.store.promised
-
-    @property
-    def room(self) -> int:
-        """Blocks free or evictable that no running request was promised."""
-        return self.store.room
-
-    def _own_blocks(self, req: Request, num_tokens: int) -> int:
-        """Blocks a request must own to hold num_tokens (reused spans need none)."""
-        bs = self.store.block_size
-        return sum(1 for i in range(self.blocks_for(num_tokens)) if not req.is_hole(i * bs, (i + 1) * bs))
+        self.blocks.apply_plan(req, EMPTY_PLAN)
 
     def plan(self, req: Request) -> None:
         """Give the request KV it need not compute, before its prefill: its reuse method's plan. A
@@ -172,7 +135,7 @@ class Scheduler:
         if req.prompt.prefix_stable and not req.exact_fallback:
             try:
                 with req.timings.phase("plan"):
-                    self.method_of(req).plan(req)
+                    self.blocks.apply_plan(req, self.method_of(req).plan(req))
             except Exception as exc:      # an optimization failed: the request is prefilled exactly
                 self._unplan(req)
                 req.exact_fallback = True
@@ -187,14 +150,9 @@ class Scheduler:
         self.release(req)
 
     def release(self, req: Request) -> None:
-        """Free a request's blocks, promises and pins (finish() and side requests)."""
-        for b in req.blocks:
-            if b >= 0:
-                self.store.decref(b, cached=self.prefix.is_cached(b))
-        req.blocks = []
+        """Free a request's blocks and promises, and let its reuse method let go of it (pins, state)."""
+        self.blocks.free(req)
         self.method_of(req).release(req)
-        self.store.promised -= req.reserved_blocks
-        req.reserved_blocks = 0
 
     # --- steps ---------------------------------------------------------------------------------
     def schedule(self) -> list[StepItem]:
@@ -227,19 +185,8 @@ class Scheduler:
                 items.append(StepItem(req, n))
                 budget -= n
         for item in items:
-            self.ensure_blocks(item.request, item.request.num_computed + item.num_tokens)
+            self.blocks.ensure(item.request, item.request.num_computed + item.num_tokens)
         return items
-
-    def ensure_blocks(self, req: Request, num_tokens: int) -> None:
-        bs = self.store.block_size
-        while len(req.blocks) < self.blocks_for(num_tokens):
-            i = len(req.blocks)
-            if req.is_hole(i * bs, (i + 1) * bs):
-                req.blocks.append(-1)          # wholly inside a reused span: no own KV there
-                continue
-            req.blocks.append(self.store.allocate())
-            req.reserved_blocks -= 1
-            self.store.promised -= 1
 
     def committed(self, item: StepItem) -> None:
         """Record that the step's tokens now have KV, and tell the request's reuse method."""
@@ -260,7 +207,7 @@ class Scheduler:
                     continue
                 busy = busy or work
                 try:
-                    self.ensure_blocks(req, len(req.prompt_ids))
+                    self.blocks.ensure(req, len(req.prompt_ids))
                     with req.timings.phase("correct"):
                         method.prepare(req)
                     req.num_computed = req.reuse_end

@@ -3,7 +3,7 @@
 A reuse method decides which of a request's KV it need not compute and makes that KV usable. The
 engine calls it at fixed points of a request's life, and knows nothing else about it:
 
-    plan      at admission: give the request KV it need not compute (cached or reused pieces)
+    plan      at admission: the request's KV it need not compute (``ReusePlan``; the scheduler applies it)
     pending   whether ``prepare`` has real work for it (the engine runs one such per step)
     prepare   once its own prefix is computed: make the reused pieces usable (correct them)
     view      the attention view its steps read over [0, end), or None for plain paged KV
@@ -26,13 +26,15 @@ from ..cache.prefix_cache import PrefixCache
 from ..chat.template import RenderedPrompt
 from ..model.llama import LlamaModel
 from .options import DEFAULT_RANK, DEFAULT_RECOMPUTE_RATIO, DEFAULT_REFERENCE, ReuseOptions
-from .pieces import ReusePiece
+from .plan import EMPTY_PLAN, ReusePlan
 from .realign import Realigner
 from .segments import SegmentStore
 
 
 class ReuseRequest(Protocol):
-    """What a reuse method reads and sets on a request (the engine's ``Request``)."""
+    """What a reuse method reads of a request (the engine's ``Request``). A method keeps whatever else it
+    needs of a request in state of its own (``plan.RequestStates``); it writes only the usage counters
+    that preparing changes (``reused_tokens``, ``recomputed_tokens``)."""
 
     request_id: str
     agent: str
@@ -44,17 +46,8 @@ class ReuseRequest(Protocol):
     num_computed: int
     max_new_tokens: int
     output_ids: list[int]
-    cached_tokens: int                 # exact KV it did not compute
     reused_tokens: int                 # KV reused from other contexts, corrected or not
     recomputed_tokens: int
-    indexed_blocks: int                # prefix caching: leading blocks already in the index
-    index_parent: int
-    pieces: list[ReusePiece]           # the plan: own prefix [0, own_prefix_end), pieces, own tail
-    own_prefix_end: int
-    reuse_end: int
-    registered: bool                   # its own segments are home views
-    select_from: int | None            # first selection query (side requests; None: reuse_end)
-    view_base: Any                     # attention layout of [0, reuse_end), kept while it decodes
     timings: Any                       # seconds by phase (``timing.Timings``)
 
     @property
@@ -63,13 +56,13 @@ class ReuseRequest(Protocol):
     def all_ids(self) -> list[int]: ...
     @property
     def in_prefill(self) -> bool: ...
-    def owns(self, start: int, end: int) -> bool: ...
 
 
 @dataclass
 class ReuseContext:
     """What the engine shares with every reuse method: the model, KV memory, the home views, and the
-    few engine services a method may call back (side requests for work ahead of time)."""
+    few block services a method may call (side requests for work ahead of time, a decode copy's blocks);
+    none of them calls a method back."""
 
     model: LlamaModel
     store: KVStore
@@ -79,10 +72,11 @@ class ReuseContext:
     view_path: str                                       # "gather", "query" or "triton" (resolved)
     predecessors: Callable[[str], list[str]]             # the edge order
     successors: Callable[[str], list[str]]
-    side_request: Callable[..., ReuseRequest]            # (request_id, agent, prompt, options, select_from)
+    side_request: Callable[..., ReuseRequest]            # (request_id, agent, prompt, options)
+    apply: Callable[[ReuseRequest, ReusePlan], None]     # lay a side request's plan out (as admission does)
     reserve: Callable[[ReuseRequest, int], bool]         # promise and allocate a side request's blocks
-    release: Callable[[ReuseRequest], None]              # free them (and the method's pins)
-    take_blocks: Callable[[int], "list[int] | None"] = lambda n: None   # n more blocks for a running request
+    release: Callable[[ReuseRequest], None]              # free its blocks and promises (not the method's pins)
+    own_holes: Callable[[ReuseRequest], bool] = lambda req: False   # own blocks for a running request's holes
 
     @property
     def device(self) -> torch.device:
@@ -117,15 +111,17 @@ class ReuseMethod:
         return DEFAULT_RECOMPUTE_RATIO, DEFAULT_RANK, DEFAULT_REFERENCE
 
     # --- a request's life -------------------------------------------------------------------
-    def plan(self, req: ReuseRequest) -> None:
-        """At admission: give the request KV it need not compute; must be undone by ``release``."""
+    def plan(self, req: ReuseRequest) -> ReusePlan:
+        """At admission: the request's KV it need not compute, for the engine to apply. What it takes
+        (pins, the plan's blocks) is undone by ``release``."""
+        return EMPTY_PLAN
 
     def pending(self, req: ReuseRequest) -> bool:
         """Whether ``prepare`` has work to do for this request (not just bookkeeping)."""
         return False
 
     def prepare(self, req: ReuseRequest) -> None:
-        """Make [own_prefix_end, reuse_end) usable; the engine then counts it as computed."""
+        """Make the plan's reused span [own_prefix_end, reuse_end) usable; the engine then counts it as computed."""
 
     def view(self, req: ReuseRequest, end: int) -> Any:
         """The attention view of the request's context [0, end), or None for its plain paged KV."""
@@ -138,7 +134,7 @@ class ReuseMethod:
         """The request ended ("stop", "length", "aborted" or "error"), before its KV is released."""
 
     def release(self, req: ReuseRequest) -> None:
-        """Let go of what ``plan`` took (pins), at the end or after a failed admission."""
+        """Let go of what ``plan`` took (pins) and of the request's state, at the end or after a failed admission."""
 
     # --- work off the critical path ---------------------------------------------------------
     def admitting(self, agents: set[str]) -> None:

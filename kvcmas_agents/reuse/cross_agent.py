@@ -18,9 +18,10 @@ import torch
 
 from .base import ReuseMethod, ReuseRequest
 from .pieces import MAX_FRAME, ReusePiece
+from .plan import ReusePlan, RequestStates
 from .recompute import LayerHook, recompute
 from .registry import register
-from .request_view import RequestView, attention_pieces, row_spans
+from .request_view import CrossAgentState, RequestView, attention_pieces, row_spans
 from .segments import HomeView, context_key
 from .views import build_view
 from .views.dense import gathered_kv
@@ -32,17 +33,18 @@ class CrossAgentMethod(ReuseMethod):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.kept_views: dict[int, GatheredView] = {}      # by id(request): views kept for their decode
+        self.states: RequestStates[CrossAgentState] = RequestStates(CrossAgentState)
 
     def kept_code_bytes(self) -> int:
         """What running requests' kept views hold besides their KV (unpacked correction codes)."""
-        return sum(v.kept_bytes() for v in self.kept_views.values())
+        # (stats read it from other threads: each state's view base is read once)
+        return sum(vb[1].kept_bytes() for st in self.states.values() if (vb := st.view_base) is not None)
 
     def state_bytes(self) -> int:
         return self.kept_code_bytes()
 
     # --- planning (at admission) ---------------------------------------------------------------
-    def plan(self, req: ReuseRequest) -> None:
+    def plan(self, req: ReuseRequest) -> ReusePlan:
         ids, agent, segments = req.prompt_ids, req.agent, self.ctx.segments
         segs = [s for s in req.prompt.segments if s.kind != "suffix" and s.length > 0]
         pieces: list[ReusePiece] = []
@@ -73,14 +75,13 @@ class CrossAgentMethod(ReuseMethod):
             pieces.pop()                           # keep at least one token to prefill for logits
         while pieces and pieces[-1].home is None:
             pieces.pop()                           # trailing new text belongs to the own tail
-        req.pieces = pieces
-        req.own_prefix_end = own_prefix_end
-        req.reuse_end = pieces[-1].end if pieces else own_prefix_end
+        st = self.states.set(req, CrossAgentState(pieces, own_prefix_end, pieces[-1].end if pieces else own_prefix_end))
         for p in pieces:
             if p.home is not None:
                 segments.pin(p.home)
-        req.cached_tokens = sum(p.end - p.start for p in pieces if p.exact)
-        req.reused_tokens = sum(p.end - p.start for p in pieces if p.home is not None and not p.exact)
+        return ReusePlan(cached_tokens=sum(p.end - p.start for p in pieces if p.exact),
+                         reused_tokens=sum(p.end - p.start for p in pieces if p.home is not None and not p.exact),
+                         own_prefix_end=st.own_prefix_end, reuse_end=st.reuse_end, own_spans=st.own_spans())
 
     def _classify(self, req: ReuseRequest, piece: ReusePiece, tokens: tuple[int, ...]) -> None:
         """Decide how a piece reused from another context is served; naive reuse leaves it as it is
@@ -122,40 +123,49 @@ class CrossAgentMethod(ReuseMethod):
                 for s, e in ((start, a), (a, b), (b, end)) if e > s]
 
     def release(self, req: ReuseRequest) -> None:
-        for p in req.pieces:
+        st = self.states.pop(req)
+        if st is not None:
+            self._let_go(st)
+
+    def _let_go(self, st: CrossAgentState) -> None:
+        """Unpin what the plan's pieces read: the request reads no reused KV from now on."""
+        for p in st.pieces:
             if p.home is not None:
                 self.ctx.segments.unpin(p.home)
-        req.pieces = []
-        req.view_base = None
-        self.kept_views.pop(id(req), None)
+        st.pieces = []
+        st.view_base = None
 
     # --- preparing: new text between reused spans ------------------------------------------------
     def pending(self, req: ReuseRequest) -> bool:
-        return any(p.pending for p in req.pieces)
+        st = self.states.get(req)
+        return st is not None and any(p.pending for p in st.pieces)
 
     def prepare(self, req: ReuseRequest) -> None:
-        new = [p for p in req.pieces if p.home is None]
+        st = self.states(req)
+        new = [p for p in st.pieces if p.home is None]
         if new:
-            self.recompute_over_view(req, {id(p): torch.arange(p.end - p.start) for p in new})
+            self.recompute_over_view(req, st, {id(p): torch.arange(p.end - p.start) for p in new})
             for p in new:
                 p.pending = False
 
-    def request_view(self, req: ReuseRequest) -> RequestView:
-        """The request's plan as correction and selection read it, with this method's recompute loop."""
-        return RequestView(req, self.ctx, partial(self.recompute_over_view, req))
+    def request_view(self, req: ReuseRequest, select_from: int | None = None) -> RequestView:
+        """The request's plan as correction and selection read it, with this method's recompute loop
+        (``select_from``: an ahead-of-time correction's first selection query)."""
+        st = self.states(req)
+        return RequestView(req, self.ctx, st, partial(self.recompute_over_view, req, st), select_from)
 
-    def recompute_over_view(self, req: ReuseRequest, rows: dict[int, torch.Tensor],
+    def recompute_over_view(self, req: ReuseRequest, st: CrossAgentState, rows: dict[int, torch.Tensor],
                             on_layer: LayerHook | None = None) -> dict[int, slice]:
         """Recompute ``rows`` (local to each piece, by the piece's id) layer by layer over the request's
         view of [0, reuse_end). New text's KV is written to the request's own blocks; ``on_layer`` sees
         every recomputed row's old (view) and new KV at each layer, the pieces' rows at the slices
         returned, in position order."""
         ctx, dev = self.ctx, self.ctx.device
-        order = [p for p in req.pieces if id(p) in rows]                       # position order
-        spans = row_spans(req.pieces, rows)
+        order = [p for p in st.pieces if id(p) in rows]                        # position order
+        spans = row_spans(st.pieces, rows)
         positions = torch.cat([p.start + rows[id(p)].to(dev) for p in order])
         new = [(ctx.store.slots(req.blocks, p.start, p.end), spans[id(p)]) for p in order if p.home is None]
-        view = build_gathered(attention_pieces(req, ctx, req.reuse_end), ctx.realigner, dev, ctx.store.k.dtype)
+        view = build_gathered(attention_pieces(req, st, ctx, st.reuse_end), ctx.realigner, dev, ctx.store.k.dtype)
 
         def hook(layer, pos, k_old, v_old, k_new, v_new):
             for slots, span in new:                         # new text: exact, kept in own blocks
@@ -171,76 +181,73 @@ class CrossAgentMethod(ReuseMethod):
 
     # --- attention layout ------------------------------------------------------------------------
     def view(self, req: ReuseRequest, end: int) -> Any:
-        if not req.pieces or end <= req.own_prefix_end:
+        st = self.states.get(req)
+        if st is None or not st.pieces or end <= st.own_prefix_end:
             return None
         if self.ctx.view_path == "gather":
-            return self.gathered_view(req, end)
-        return build_view(self.ctx.view_path, attention_pieces(req, self.ctx, end), self.ctx.realigner,
+            return self.gathered_view(req, st, end)
+        return build_view(self.ctx.view_path, attention_pieces(req, st, self.ctx, end), self.ctx.realigner,
                           self.ctx.device, self.ctx.store.k.dtype)
 
-    def gathered_view(self, req: ReuseRequest, end: int) -> GatheredView:
+    def gathered_view(self, req: ReuseRequest, st: CrossAgentState, end: int) -> GatheredView:
         """The gather path's layout of a request's context [0, end). The reused part [0, reuse_end) is
-        laid out once and kept on the request, so a decode step only appends its own tail's slots."""
-        ctx, b = self.ctx, req.reuse_end
+        laid out once and kept in the request's state, so a decode step only appends its own tail's slots."""
+        ctx, b = self.ctx, st.reuse_end
         if end <= b:
-            return build_gathered(attention_pieces(req, ctx, end), ctx.realigner, ctx.device, ctx.store.k.dtype)
-        key = (b, req.own_prefix_end, tuple((p.start, p.end, len(p.chain), p.pending, p.private) for p in req.pieces))
-        if req.view_base is None or req.view_base[0] != key:
-            view = replace(build_gathered(attention_pieces(req, ctx, b), ctx.realigner, ctx.device,
+            return build_gathered(attention_pieces(req, st, ctx, end), ctx.realigner, ctx.device, ctx.store.k.dtype)
+        key = (b, st.own_prefix_end, tuple((p.start, p.end, len(p.chain), p.pending, p.private) for p in st.pieces))
+        if st.view_base is None or st.view_base[0] != key:
+            view = replace(build_gathered(attention_pieces(req, st, ctx, b), ctx.realigner, ctx.device,
                                           ctx.store.k.dtype), keep=True)
-            req.view_base = (key, view)
-            self.kept_views[id(req)] = view
-        return req.view_base[1].extend(ctx.store.slots(req.blocks, b, end))
+            st.view_base = (key, view)
+        return st.view_base[1].extend(ctx.store.slots(req.blocks, b, end))
 
     def copy_view(self, req: ReuseRequest) -> bool:
         """Write the request's view of [0, reuse_end) (realigned, corrected) into blocks of its own, so that
         its decode steps read plain paged KV instead of the view. The blocks are the request's: counted in
         KV memory and freed when it ends. False (nothing changed) when they do not fit the budget."""
-        ctx, b = self.ctx, req.reuse_end
-        if not req.pieces or b == 0:
+        ctx, st = self.ctx, self.states.get(req)
+        if st is None or not st.pieces or st.reuse_end == 0:
             return False
-        holes = [i for i, blk in enumerate(req.blocks) if blk < 0]
-        got = ctx.take_blocks(len(holes)) if holes else []
-        if got is None:
+        if not ctx.own_holes(req):            # (the view below reads none of the holes' new blocks)
             return False
-        store = ctx.store
-        view = build_gathered(attention_pieces(req, ctx, b), ctx.realigner, ctx.device, store.k.dtype)
-        for i, blk in zip(holes, got):
-            req.blocks[i] = blk
+        store, b = ctx.store, st.reuse_end
+        view = build_gathered(attention_pieces(req, st, ctx, b), ctx.realigner, ctx.device, store.k.dtype)
         dst = store.slots(req.blocks, 0, b)
         for layer in range(ctx.model.args.num_layers):
             k, v = gathered_kv(view, store.k[layer], store.v[layer], layer)     # a fresh gather: safe to write back
             store.write(layer, dst, k, v)
-        self.release(req)                     # the homes are no longer read: unpinned
-        req.own_prefix_end = b                # all of [0, reuse_end) is the request's own KV now
+        self._let_go(st)                      # the homes are no longer read: unpinned
+        st.own_prefix_end = b                 # all of [0, reuse_end) is the request's own KV now
         return True
 
     # --- home views ------------------------------------------------------------------------------
     def on_computed(self, req: ReuseRequest) -> None:
         """Once the prompt is computed, its own (non-reused) segments become home views."""
-        if req.registered or req.in_prefill:
+        st = self.states(req)
+        if st.registered or req.in_prefill:
             return
-        req.registered = True
+        st.registered = True
         ids = req.prompt_ids
         spans = [(seg.start, seg.end) for seg in req.prompt.segments
-                 if seg.kind != "suffix" and seg.length > 0 and req.owns(seg.start, seg.end)]
-        spans += [(p.start, p.end) for p in req.pieces if p.home is None]   # frames around reused replies
+                 if seg.kind != "suffix" and seg.length > 0 and st.owns(seg.start, seg.end)]
+        spans += [(p.start, p.end) for p in st.pieces if p.home is None]   # frames around reused replies
         for start, end in spans:
             self.ctx.segments.register(tuple(ids[start:end]), req.agent, start, context_key(req.agent, ids, start),
                                        req.blocks)
         for seg in req.prompt.segments:
-            exact = self._held_exactly(req, seg.start, seg.end) if seg.kind != "suffix" else None
+            exact = self._held_exactly(st, seg.start, seg.end) if seg.kind != "suffix" else None
             if exact:
                 self.ctx.segments.register_own(tuple(ids[seg.start:seg.end]), req.agent, seg.start,
                                                context_key(req.agent, ids, seg.start), req.blocks, exact)
 
     @staticmethod
-    def _held_exactly(req: ReuseRequest, start: int, end: int) -> list[tuple[int, int, HomeView]] | None:
+    def _held_exactly(st: CrossAgentState, start: int, end: int) -> list[tuple[int, int, HomeView]] | None:
         """The exact pieces [a, b) (with their homes) of a segment the request holds exactly in parts:
         some of it read exactly from home views, the rest computed by the request. None when part of it
         is reused from another context, or it is one home view already, or all the request's own."""
         exact = []
-        for p in req.pieces:
+        for p in st.pieces:
             if p.end <= start or p.start >= end or p.home is None:
                 continue
             if not p.exact or p.private:

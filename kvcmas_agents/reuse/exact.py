@@ -2,7 +2,11 @@
 block by block, as non-shared serving (vLLM, SGLang) does."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from .base import ReuseMethod, ReuseRequest
+from .plan import ReusePlan, RequestStates
 from .registry import register
 
 
@@ -14,26 +18,40 @@ class NoReuse(ReuseMethod):
     reuses = False
 
 
+@dataclass
+class Indexed:
+    """How far a request's blocks are in the prefix index: its leading ``blocks``, and the chained hash
+    after them (to resume indexing from)."""
+
+    blocks: int = 0
+    parent: int = 0
+
+
 @register
 class PrefixReuse(ReuseMethod):
     """Per-agent exact prefix caching: full KV blocks indexed by a chained hash of (agent, tokens)."""
 
     name = "prefix"
 
-    def plan(self, req: ReuseRequest) -> None:
-        store = self.ctx.store
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.indexed: RequestStates[Indexed] = RequestStates(Indexed)
+
+    def plan(self, req: ReuseRequest) -> ReusePlan:
         # Leave at least one prompt token to run, so the step produces logits.
         blocks, parent = self.ctx.prefix.match(req.agent, req.prompt_ids, len(req.prompt_ids) - 1)
-        req.blocks = blocks
-        req.num_computed = req.cached_tokens = len(blocks) * store.block_size
-        req.indexed_blocks, req.index_parent = len(blocks), parent
+        self.indexed.set(req, Indexed(len(blocks), parent))
+        return ReusePlan(cached_tokens=len(blocks) * self.ctx.store.block_size, blocks=tuple(blocks))
 
     def on_computed(self, req: ReuseRequest) -> None:
         """Index the request's newly full blocks, so its agent's next prompt finds them."""
         if not req.prompt.prefix_stable:
             return
         full = req.num_computed // self.ctx.store.block_size
-        if full > req.indexed_blocks:
-            req.index_parent = self.ctx.prefix.insert(req.agent, req.all_ids, req.blocks,
-                                                      req.indexed_blocks, full, req.index_parent)
-            req.indexed_blocks = full
+        ix = self.indexed(req)
+        if full > ix.blocks:
+            ix.parent = self.ctx.prefix.insert(req.agent, req.all_ids, req.blocks, ix.blocks, full, ix.parent)
+            ix.blocks = full
+
+    def release(self, req: ReuseRequest) -> None:
+        self.indexed.pop(req)

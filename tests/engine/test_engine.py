@@ -262,7 +262,7 @@ async def test_a_corrected_request_starts_before_the_next_correction_runs():
     corrected samples its first token before the second's correction starts, instead of waiting for it."""
     from kvcmas_agents import Engine, EngineConfig
     task = {"role": "user", "content": "Write a Python function that merges overlapping intervals, with tests."}
-    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False)}))
     events: list[tuple[str, str]] = []
     correct, run = eng.methods["kvcmas"].corrector.correct, eng.runner.run
 

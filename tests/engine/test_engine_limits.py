@@ -112,7 +112,7 @@ def test_one_budget_bounds_blocks_and_corrections():
     """Corrections are charged to kv_budget_bytes and evicted least recently used first: at rest, KV blocks
     and corrections together stay within the budget, however many agents correct the shared history."""
     engine = Engine(EngineConfig(reuse="kvcmas", kv_budget_bytes=16 * BLOCK_BYTES,
-                                 kvcmas=KVCMASConfig(prefetch="off")))
+                                 methods={"kvcmas": KVCMASConfig(prefetch="off")}))
     budget = engine.config.kv_budget_bytes
     history = [{"role": "user", "content": "We are building a small command-line todo app in Python. " * 6},
                {"role": "assistant", "content": "It needs add, list and done commands, stored in a JSON file. " * 5}]

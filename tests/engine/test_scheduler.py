@@ -13,6 +13,7 @@ import torch
 from kvcmas_agents.cache.kv_store import KVStore
 from kvcmas_agents.cache.prefix_cache import PrefixCache, PrefixIndex
 from kvcmas_agents.chat.template import RenderedPrompt, Segment
+from kvcmas_agents.engine.blocks import RequestBlocks
 from kvcmas_agents.engine.budget import KVBudget
 from kvcmas_agents.engine.config import EngineConfig, SamplingParams
 from kvcmas_agents.engine.request import Request
@@ -21,6 +22,7 @@ from kvcmas_agents.engine.stats import Counters
 from kvcmas_agents.errors import EngineError
 from kvcmas_agents.reuse import ReuseContext, method_class
 from kvcmas_agents.reuse.base import ReuseMethod
+from kvcmas_agents.reuse.plan import ReusePlan
 
 BS = 4
 _ids = itertools.count()
@@ -35,12 +37,14 @@ def make_sched(num_blocks: int = 16, reuse: str = "prefix", max_batch_tokens: in
     cfg = EngineConfig(reuse=reuse, block_size=BS, max_batch_tokens=max_batch_tokens,
                        max_num_seqs=max_num_seqs, kv_budget_bytes=num_blocks * block_bytes)
     prefix = PrefixCache(store, index)
+    blocks = RequestBlocks(store, prefix)
     # The exact modes need no model: only the store and the prefix cache.
-    ctx = ReuseContext(None, store, prefix, None, None, "gather", lambda a: [], lambda a: [], None, None, None)
+    ctx = ReuseContext(None, store, prefix, None, None, "gather", lambda a: [], lambda a: [], None,
+                       blocks.apply_plan, blocks.reserve, blocks.free, blocks.own_holes)
     methods = {name: method_class(name)(ctx) for name in ("none", "prefix")}
     methods[None] = methods[cfg.reuse]        # requests never added (side requests) keep unresolved options
     budget = KVBudget(store, methods, lambda: False)
-    return Scheduler(cfg, store, prefix, methods, budget, Counters())
+    return Scheduler(cfg, blocks, methods, budget, Counters())
 
 
 def make_req(tokens: list[int], max_new: int = 4, agent: str = "a", prefix_stable: bool = True) -> Request:
@@ -52,11 +56,11 @@ def make_req(tokens: list[int], max_new: int = 4, agent: str = "a", prefix_stabl
 
 def check_invariants(s: Scheduler) -> None:
     st = s.store.stats()
-    assert s.promised == sum(r.reserved_blocks for r in s.running)
-    assert s.promised <= s.store.num_available
+    assert s.blocks.promised == sum(r.reserved_blocks for r in s.running)
+    assert s.blocks.promised <= s.store.num_available
     assert st.blocks_active == len({b for r in s.running for b in r.blocks})
     for r in s.running:
-        assert len(r.blocks) + r.reserved_blocks == s.blocks_for(r.max_total_tokens)
+        assert len(r.blocks) + r.reserved_blocks == s.blocks.blocks_for(r.max_total_tokens)
 
 
 def step(s: Scheduler, finish_at_max: bool = True) -> list[StepItem]:
@@ -95,7 +99,7 @@ def test_admission_respects_block_promise_fifo():
         s.add(r)
     s.admit()
     assert s.running == [a] and list(s.waiting) == [b, c]
-    assert a.reserved_blocks == 4 and s.promised == 4
+    assert a.reserved_blocks == 4 and s.blocks.promised == 4
     assert b.blocks == [] and b.reserved_blocks == 0 and b.num_computed == 0
 
     # Nothing is admitted while a holds its promise, even across steps.
@@ -107,7 +111,7 @@ def test_admission_respects_block_promise_fifo():
     s.finish(a)
     s.admit()
     assert s.running == [b, c] and not s.waiting
-    assert s.promised == 5 + 1
+    assert s.blocks.promised == 5 + 1
 
 
 def test_request_larger_than_the_store_waits_while_others_run_then_fails():
@@ -128,7 +132,7 @@ def test_request_larger_than_the_store_waits_while_others_run_then_fails():
     rejected = s.take_failed()
     assert not s.waiting and [r for r, _ in rejected] == [bigger] and s.take_failed() == []
     assert isinstance(rejected[0][1], EngineError) and "7 KV blocks" in str(rejected[0][1])
-    assert s.store.stats().blocks_active == 0 and s.promised == 0
+    assert s.store.stats().blocks_active == 0 and s.blocks.promised == 0
 
 
 def test_max_num_seqs_respected():
@@ -141,7 +145,7 @@ def test_max_num_seqs_respected():
     assert {it.request.request_id for it in items} == {reqs[0].request_id, reqs[1].request_id}
     run_until_idle(s)
     assert all(len(r.output_ids) == 2 for r in reqs)
-    assert s.store.stats().blocks_active == 0 and s.promised == 0
+    assert s.store.stats().blocks_active == 0 and s.blocks.promised == 0
 
 
 # --------------------------------------------------------------------------- planning
@@ -157,7 +161,7 @@ def test_long_prompt_is_chunked_across_steps():
         assert len(items) == 1 and items[0].request is r
         sizes.append(items[0].num_tokens)
         # Blocks are allocated lazily, just enough for the tokens computed so far.
-        assert len(r.blocks) == s.blocks_for(r.num_computed)
+        assert len(r.blocks) == s.blocks.blocks_for(r.num_computed)
     assert sizes == [8, 8, 4]
     assert r.output_ids == [1000]                      # only the last chunk sampled
     items = step(s)
@@ -214,19 +218,22 @@ PREFIX = list(range(100, 112))                         # 3 full blocks
 def test_committed_advances_and_indexes_full_blocks():
     s = make_sched(num_blocks=16, max_batch_tokens=5)
     r = make_req(PREFIX + [7, 8], max_new=5)
+    indexed = s.methods["prefix"].indexed         # the method's own state of each request
     s.add(r)
     step(s)
-    assert r.num_computed == 5 and r.indexed_blocks == 1
-    assert s.prefix.is_cached(r.blocks[0]) and not s.prefix.is_cached(r.blocks[1])
+    assert r.num_computed == 5 and indexed(r).blocks == 1
+    assert s.blocks.prefix.is_cached(r.blocks[0]) and not s.blocks.prefix.is_cached(r.blocks[1])
     step(s)
-    assert r.num_computed == 10 and r.indexed_blocks == 2
+    assert r.num_computed == 10 and indexed(r).blocks == 2
     step(s)
-    assert r.num_computed == 14 and r.indexed_blocks == 3 and r.output_ids == [1000]
+    assert r.num_computed == 14 and indexed(r).blocks == 3 and r.output_ids == [1000]
     step(s)                                            # decode of token 14 (the sampled one)
-    assert r.num_computed == 15 and r.indexed_blocks == 3
+    assert r.num_computed == 15 and indexed(r).blocks == 3
     step(s)                                            # token 15 fills block 3 (incl. generated tokens)
-    assert r.num_computed == 16 and r.indexed_blocks == 4
-    assert s.prefix.is_cached(r.blocks[3])
+    assert r.num_computed == 16 and indexed(r).blocks == 4
+    assert s.blocks.prefix.is_cached(r.blocks[3])
+    s.finish(r)
+    assert indexed.get(r) is None and len(indexed) == 0   # dropped with the request
 
 
 def test_same_agent_reuses_prefix_but_runs_at_least_one_token():
@@ -236,7 +243,7 @@ def test_same_agent_reuses_prefix_but_runs_at_least_one_token():
     run_until_idle(s)
     st = s.store.stats()
     assert st.blocks_active == 0 and st.blocks_cached >= 3
-    first_blocks = [b for b in range(s.store.num_blocks) if s.prefix.is_cached(b)]
+    first_blocks = [b for b in range(s.store.num_blocks) if s.blocks.prefix.is_cached(b)]
 
     # Identical prompt: only 2 of 3 blocks can be served, so the last block's tokens still run.
     same = make_req(PREFIX, max_new=2)
@@ -245,7 +252,7 @@ def test_same_agent_reuses_prefix_but_runs_at_least_one_token():
     assert same.cached_tokens == 8 and same.num_computed == 8
     assert same.cached_tokens < len(same.prompt_ids)
     assert set(same.blocks[:2]) <= set(first_blocks)
-    assert all(s.prefix.is_cached(b) for b in same.blocks[:2])
+    assert all(s.blocks.prefix.is_cached(b) for b in same.blocks[:2])
     assert [(it.request, it.num_tokens, it.samples) for it in items] == [(same, 4, True)]
     for it in items:
         s.committed(it)
@@ -264,7 +271,7 @@ def test_same_agent_reuses_prefix_but_runs_at_least_one_token():
     s.schedule()
     assert diverge.cached_tokens == 4
     s.finish(diverge)
-    assert s.store.stats().blocks_active == 0 and s.promised == 0
+    assert s.store.stats().blocks_active == 0 and s.blocks.promised == 0
 
 
 def test_different_agent_gets_no_hits():
@@ -301,8 +308,8 @@ def test_finish_releases_blocks_and_keeps_indexed_ones_cached():
         s.add(r)
     run_until_idle(s)
     st = s.store.stats()
-    indexed = [b for b in range(s.store.num_blocks) if s.prefix.is_cached(b)]
-    assert st.blocks_active == 0 and s.promised == 0
+    indexed = [b for b in range(s.store.num_blocks) if s.blocks.prefix.is_cached(b)]
+    assert st.blocks_active == 0 and s.blocks.promised == 0
     # Each agent: 14 prompt + 2 fed outputs = 16 computed tokens -> 4 full indexed blocks.
     assert st.blocks_cached == len(indexed) == 12
     assert s.store.num_available == s.store.num_blocks
@@ -327,7 +334,7 @@ def test_finish_of_waiting_request_and_reuse_state_reset():
     s.finish(late)                                     # aborting a waiting request
     assert not s.waiting
     s.finish(hog)
-    assert s.store.stats().blocks_active == 0 and s.promised == 0
+    assert s.store.stats().blocks_active == 0 and s.blocks.promised == 0
 
 
 def test_cached_blocks_are_evicted_for_new_work():
@@ -355,30 +362,38 @@ def test_side_request_reserve_and_release_leave_no_trace():
     s.admit()
     side = make_req(list(range(100, 100 + BS * 3)))
     s.plan(side)
-    assert not s.reserve(side, BS * 5)                         # 5 blocks: only 4 are not promised
-    assert side.blocks == [] and s.promised == 4
-    assert s.reserve(side, BS * 3)
-    assert len(side.blocks) == 3 and s.promised == 4          # allocated, so no longer merely promised
+    assert not s.blocks.reserve(side, BS * 5)   # 5 blocks: only 4 are not promised
+    assert side.blocks == [] and s.blocks.promised == 4
+    assert s.blocks.reserve(side, BS * 3)
+    assert len(side.blocks) == 3 and s.blocks.promised == 4   # allocated, so no longer merely promised
     s.release(side)
     assert side.blocks == [] and side.reserved_blocks == 0
     check_invariants(s)
     s.finish(running)
-    assert s.store.stats().blocks_active == 0 and s.promised == 0
+    assert s.store.stats().blocks_active == 0 and s.blocks.promised == 0
 
 
-def test_take_blocks_gives_only_what_fits_next_to_the_promises():
-    """A running request may take blocks beyond its promise (a decode copy of its view), never ones
-    promised to another."""
+def test_own_holes_gives_only_what_fits_next_to_the_promises():
+    """A running request may take blocks beyond its promise for its holes (a decode copy of its view),
+    never ones promised to another; then it owns all of its reused span."""
     s = make_sched(num_blocks=8)
     running = make_req(list(range(BS * 3)), max_new=BS)       # promises 4 blocks
     s.add(running)
     s.admit()
-    assert s.take_blocks(5) is None and s.store.stats().blocks_active == 0
-    got = s.take_blocks(4)
-    assert got is not None and len(set(got)) == 4 and s.room == 0
-    for b in got:
-        s.store.decref(b, cached=False)
-    assert s.room == 4
+    wide, narrow = make_req(list(range(100, 100 + BS * 6))), make_req(list(range(200, 200 + BS * 4)))
+    for req, end in ((wide, BS * 5), (narrow, BS * 3)):       # a new token in block 1, the rest reused
+        s.blocks.apply_plan(req, ReusePlan(reuse_end=end, own_spans=((BS, BS + 1),)))
+        assert s.blocks.reserve(req, end)
+    assert wide.blocks[0] == wide.blocks[2] == -1 and wide.blocks[1] >= 0 and s.blocks.room == 2
+    assert not s.blocks.own_holes(wide)   # 4 holes, room for 2: nothing changes
+    assert wide.blocks.count(-1) == 4 and wide.own_prefix_end == 0 and wide.is_hole(0, BS)
+    assert s.blocks.own_holes(narrow) and s.blocks.room == 0 and min(narrow.blocks) >= 0
+    assert narrow.own_prefix_end == narrow.reuse_end and narrow.own_spans == () and not narrow.is_hole(0, BS)
+    s.release(wide)
+    s.release(narrow)
+    s.finish(running)
+    assert s.store.stats().blocks_active == 0 and s.blocks.promised == 0
+
 
 
 # --------------------------------------------------------------------------- work off the critical path

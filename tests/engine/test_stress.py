@@ -66,7 +66,7 @@ async def test_exact_modes_under_concurrency_equal_solo_runs(mode, engine_none, 
 async def test_kvcmas_under_concurrency_stays_within_fidelity_bounds(solo):
     # No ahead-of-time corrections: they would keep running (holding a side request's blocks) long after
     # the requests, and they are not what this test stresses.
-    engine = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch="off")))
+    engine = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch="off")}))
     try:
         engine.set_edges(list(zip(AGENTS, AGENTS[1:])))
         # The history grows turn by turn under the first agent, so later requests have home views to reuse.

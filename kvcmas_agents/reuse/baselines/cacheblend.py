@@ -51,8 +51,9 @@ class CacheBlend(PrivateCopyMethod):
 
     @torch.inference_mode()
     def prepare(self, req: ReuseRequest) -> None:
-        pending = [p for p in req.pieces if p.pending and p.home is not None]
-        new = [p for p in req.pieces if p.home is None]
+        st = self.states(req)
+        pending = [p for p in st.pieces if p.pending and p.home is not None]
+        new = [p for p in st.pieces if p.home is None]
         self.copy_realigned(req, pending)
         dev = self.ctx.device
         reused, fresh = span_positions(pending, dev), span_positions(new, dev)
@@ -69,7 +70,7 @@ class CacheBlend(PrivateCopyMethod):
             score = torch.where(is_reused, dev_kv, torch.full_like(dev_kv, float("inf")))  # new text: always
             return torch.topk(score, keep_reused + fresh.numel()).indices.sort().values
 
-        self.recompute_rows(req, positions, select)
+        self.recompute_rows(req, st, positions, select)
         for p in pending + new:
             p.pending = False
         req.recomputed_tokens += keep_reused

@@ -23,6 +23,7 @@ import torch
 from ..base import ReuseContext, ReuseRequest
 from ..pieces import ReusePiece
 from ..registry import register
+from ..request_view import CrossAgentState
 from .anchors import Anchor, AnchorPool, sim_layer
 from .private_view import PrivateCopyMethod, span_positions
 
@@ -70,8 +71,9 @@ class KVComm(PrivateCopyMethod):
     @torch.inference_mode()
     def prepare(self, req: ReuseRequest) -> None:
         store, rot = self.ctx.store, self.ctx.realigner
-        pending = [p for p in req.pieces if p.pending and p.home is not None]
-        new = [p for p in req.pieces if p.home is None]
+        st = self.states(req)
+        pending = [p for p in st.pieces if p.pending and p.home is not None]
+        new = [p for p in st.pieces if p.home is None]
         self.copy_realigned(req, pending)
         misses: list[tuple[ReusePiece, int, torch.Tensor]] = []
         for p in pending:
@@ -84,11 +86,11 @@ class KVComm(PrivateCopyMethod):
             dst = self.own_slots(req, p)
             store.k[:, dst] = (store.k[:, dst].float() + rot.rotate(dk, p.start)).to(store.k.dtype)
             store.v[:, dst] = (store.v[:, dst].float() + dv).to(store.v.dtype)
-        self._prefill(req, misses, new)
+        self._prefill(req, st, misses, new)
         for p in pending + new:
             p.pending = False
 
-    def _prefill(self, req: ReuseRequest, misses: list[tuple[ReusePiece, int, torch.Tensor]],
+    def _prefill(self, req: ReuseRequest, st: CrossAgentState, misses: list[tuple[ReusePiece, int, torch.Tensor]],
                  new: list[ReusePiece]) -> None:
         """Dense prefill of missed segments and new text; each missed segment becomes an anchor."""
         dev = self.ctx.device
@@ -107,7 +109,7 @@ class KVComm(PrivateCopyMethod):
                 dvs[id(p)].append(v_new[i] - v_old[i])
             return None
 
-        self.recompute_rows(req, positions, capture)
+        self.recompute_rows(req, st, positions, capture)
         for p, slot, base in misses:
             dk = self.ctx.realigner.rotate(torch.stack(dks[id(p)]), -p.start)    # to the position-0 frame
             self.pool.add(Anchor(req.agent, slot, base, dk, torch.stack(dvs[id(p)])))

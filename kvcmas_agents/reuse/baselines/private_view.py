@@ -13,7 +13,7 @@ from ..base import ReuseRequest
 from ..cross_agent import CrossAgentMethod
 from ..pieces import ReusePiece
 from ..recompute import LayerHook, recompute
-from ..request_view import attention_pieces
+from ..request_view import CrossAgentState, attention_pieces
 
 
 class PrivateCopyMethod(CrossAgentMethod):
@@ -33,11 +33,12 @@ class PrivateCopyMethod(CrossAgentMethod):
             store.k[:, dst] = self.ctx.realigner.rotate_keys(store.k[:, src], p.delta)
             store.v[:, dst] = store.v[:, src]
 
-    def recompute_rows(self, req: ReuseRequest, positions: torch.Tensor, hook: LayerHook | None = None) -> None:
+    def recompute_rows(self, req: ReuseRequest, st: CrossAgentState, positions: torch.Tensor,
+                       hook: LayerHook | None = None) -> None:
         """Recompute the KV of prompt tokens at sorted ``positions`` (< reuse_end) under the request's
         context as it stands in its blocks, and write it there in place (``recompute.recompute``)."""
         store = self.ctx.store
-        ctx_slots = torch.cat([pc.slots for pc in attention_pieces(req, self.ctx, req.reuse_end)])   # position order
+        ctx_slots = torch.cat([pc.slots for pc in attention_pieces(req, st, self.ctx, st.reuse_end)])   # position order
 
         def write(layer, pos, k_old, v_old, k_new, v_new):
             keep = hook(layer, pos, k_old, v_old, k_new, v_new) if hook is not None else None

@@ -48,8 +48,8 @@ class Corrector:
     def correct(self, view: RequestView) -> None:
         """Correct the request's pending pieces and compute its new text (``view``: its plan)."""
         req = view.req
-        pending = [p for p in req.pieces if p.pending and p.home is not None]
-        new = [p for p in req.pieces if p.home is None]
+        pending = [p for p in view.pieces if p.pending and p.home is not None]
+        new = [p for p in view.pieces if p.home is None]
         if not (pending or new):
             return
         for p in pending:

@@ -9,6 +9,7 @@ from ..base import ReuseContext, ReuseRequest
 from ..cross_agent import CrossAgentMethod
 from ..pieces import ReusePiece
 from ..registry import register
+from ..request_view import CrossAgentState, RequestView
 from .config import DECODE_COPY_MIN, KVCMASConfig
 from .correction import Corrector
 from .prefetch import Prefetcher
@@ -25,7 +26,9 @@ class KVCMAS(CrossAgentMethod):
         super().__init__(ctx, settings or KVCMASConfig())
         s = self.settings
         self.corrector = Corrector(ctx, s.storage, s.recompute_newest)
-        self.prefetcher = Prefetcher(ctx, self.plan, self.prepare, s.prefetch_ratio) if s.prefetch != "off" else None
+        self.prefetcher = (Prefetcher(ctx, self.plan, self.request_view, self.correct, self.release,
+                                      s.prefetch_ratio)
+                           if s.prefetch != "off" else None)
         self.decode_copies = self.decode_copy_blocks = 0
 
     @classmethod
@@ -43,18 +46,23 @@ class KVCMAS(CrossAgentMethod):
         else:
             piece.pending = True
 
-    def release(self, req: ReuseRequest) -> None:
-        for p in req.pieces:
+    def _let_go(self, st: CrossAgentState) -> None:
+        for p in st.pieces:
             if p.correction is not None:
                 p.correction.users -= 1
                 p.correction = None
-        super().release(req)
+        super()._let_go(st)
 
     def prepare(self, req: ReuseRequest) -> None:
-        self.corrector.correct(self.request_view(req))
+        self.correct(self.request_view(req))
+
+    def correct(self, view: RequestView) -> None:
+        """Correct a request's pending pieces as its view lays them out (inline, or ahead of time)."""
+        self.corrector.correct(view)
 
     def on_computed(self, req: ReuseRequest) -> None:
-        first = not req.registered and not req.in_prefill
+        st = self.states.get(req)
+        first = not (st is not None and st.registered) and not req.in_prefill
         super().on_computed(req)
         if first and self.prefetcher is not None:
             self.prefetcher.observe(req)

@@ -23,6 +23,8 @@ from typing import Callable
 from ...chat.template import RenderedPrompt, Segment
 from ..base import ReuseContext, ReuseRequest
 from ..options import ReuseOptions
+from ..plan import ReusePlan
+from ..request_view import RequestView
 
 
 SELECT_WINDOW = 32
@@ -34,6 +36,14 @@ class _Prefix:
 
     ids: list[int]
     segments: list[Segment]
+
+
+@dataclass
+class _Prediction:
+    """A successor's predicted request, and where its selection queries start (a stand-in tail)."""
+
+    req: ReuseRequest
+    select_from: int
 
 
 @dataclass
@@ -60,15 +70,17 @@ def _leading_prefix(req: ReuseRequest) -> int:
 class Prefetcher:
     """Queues and runs a KVCMAS method's ahead-of-time corrections, one pending per agent.
 
-    ``plan`` and ``prepare`` are the method's steps for a request (``ReuseMethod``), run on each
-    predicted side request: the prefetcher needs no more of the method than these two.
+    Each predicted side request is planned (``plan``: the method's), seen as a ``RequestView``
+    (``view_of``: its plan, with the predicted selection queries), corrected (``correct``) and let go
+    of (``release``): the prefetcher needs no more of the method than these.
     """
 
-    def __init__(self, ctx: ReuseContext, plan: Callable[[ReuseRequest], None],
-                 prepare: Callable[[ReuseRequest], None], ratio: float = 0.0):
-        self.ctx, self.plan, self.prepare = ctx, plan, prepare
+    def __init__(self, ctx: ReuseContext, plan: Callable[[ReuseRequest], ReusePlan],
+                 view_of: Callable[[ReuseRequest, int], RequestView], correct: Callable[[RequestView], None],
+                 release: Callable[[ReuseRequest], None], ratio: float = 0.0):
+        self.ctx, self.plan, self.view_of, self.correct, self.release = ctx, plan, view_of, correct, release
         self._prefixes: dict[str, _Prefix] = {}
-        self._queue: OrderedDict[str, ReuseRequest] = OrderedDict()     # one pending prefetch per agent
+        self._queue: OrderedDict[str, _Prediction] = OrderedDict()     # one pending prefetch per agent
         self.stats = PrefetchStats()
         self.ratio = ratio            # floor on the recompute ratio of ahead-of-time corrections
 
@@ -92,7 +104,7 @@ class Prefetcher:
                 self._queue[succ] = spec
                 self.stats.queued += 1
 
-    def _predict(self, agent: str, src: ReuseRequest, src_prefix_end: int) -> ReuseRequest | None:
+    def _predict(self, agent: str, src: ReuseRequest, src_prefix_end: int) -> _Prediction | None:
         prefix = self._prefixes.get(agent)
         if prefix is None or agent == src.agent:
             return None
@@ -109,8 +121,8 @@ class Prefetcher:
             select_from = seg.start
             if len(ids) - select_from >= SELECT_WINDOW:
                 break
-        return self.ctx.side_request(f"prefetch-{agent}-{src.request_id}", agent, prompt,
-                                     self._options(src.options), select_from)
+        req = self.ctx.side_request(f"prefetch-{agent}-{src.request_id}", agent, prompt, self._options(src.options))
+        return _Prediction(req, select_from)
 
     def _options(self, options: ReuseOptions) -> ReuseOptions:
         return replace(options, recompute_ratio=max(options.recompute_ratio, self.ratio))
@@ -129,29 +141,32 @@ class Prefetcher:
 
     def run_one(self, busy: set[str]) -> None:
         """Run the oldest queued prefetch; one whose agent is already busy is dropped."""
-        agent, req = self._queue.popitem(last=False)
+        agent, pred = self._queue.popitem(last=False)
         if agent in busy:
             self.stats.skipped += 1
             return
-        self._run(req)
+        self._run(pred)
 
-    def _run(self, req: ReuseRequest) -> None:
-        ctx, t0 = self.ctx, time.perf_counter()
+    def _run(self, pred: _Prediction) -> None:
+        ctx, req, t0 = self.ctx, pred.req, time.perf_counter()
         try:
-            self.plan(req)                                  # pins the home views
-            pending = [p for p in req.pieces if p.pending and p.home is not None]
+            plan = self.plan(req)                           # pins the home views
+            ctx.apply(req, plan)
+            view = self.view_of(req, pred.select_from)
+            pending = [p for p in view.pieces if p.pending and p.home is not None]
             # An own prefix that is not a home view would need a prefill first: not worth it ahead of time.
-            if req.own_prefix_end > 0 or not pending or not ctx.reserve(req, len(req.prompt_ids)):
+            if plan.own_prefix_end > 0 or not pending or not ctx.reserve(req, len(req.prompt_ids)):
                 self.stats.skipped += 1
                 return
-            self.prepare(req)
+            self.correct(view)
             self.stats.corrections += 1
             self.stats.recomputed_tokens += req.recomputed_tokens
             self.stats.by_agent[req.agent] = self.stats.by_agent.get(req.agent, 0) + 1
         except Exception:          # a prefetch is an optimisation: the real request corrects inline
             self.stats.failed += 1
         finally:
-            ctx.release(req)
+            self.release(req)                               # unpins, and drops the method's state of it
+            ctx.release(req)                                # frees its blocks
             self.stats.seconds += time.perf_counter() - t0
 
     def clear(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..base import ReuseContext, ReuseRequest
+from ..base import ReuseContext
 from ..pieces import MAX_FRAME, ReusePiece
 from ..request_view import RequestView, ViewPiece
 from ..views.dense import gathered_mass_attention
@@ -41,15 +41,15 @@ def select_rows(view: RequestView, pending: list[ReusePiece], newest_whole: bool
     cheaper, and every row recomputed rather than a share of them."""
     req = view.req
     total = sum(p.end - p.start for p in pending)
-    whole = newest_pieces(req, pending) if newest_whole and req.options.recompute_ratio > 0 else set()
-    forced_of = [forced_rows(req, p, id(p) in whole) for p in pending]
+    whole = newest_pieces(view, pending) if newest_whole and req.options.recompute_ratio > 0 else set()
+    forced_of = [forced_rows(view.reuse_end, p, id(p) in whole) for p in pending]
     forced = sum(int(f.sum()) for f in forced_of)
     k = round(req.options.recompute_ratio * (total - forced)) + forced
     if k == 0:
         return [torch.arange(0) for _ in pending], "none"
     if k >= total:
         return [torch.arange(p.end - p.start) for p in pending], "all"
-    qs, _ = selection_queries(req)
+    qs, _ = selection_queries(view)
     if total - k <= len(req.prompt_ids) - qs:
         return [torch.arange(p.end - p.start) for p in pending], "skipped"
     mass, capped = attention_mass(view, pending)
@@ -63,7 +63,7 @@ def select_rows(view: RequestView, pending: list[ReusePiece], newest_whole: bool
     return out, "capped" if capped else "ratio"
 
 
-def forced_rows(req: ReuseRequest, piece: ReusePiece, newest: bool) -> torch.Tensor:
+def forced_rows(reuse_end: int, piece: ReusePiece, newest: bool) -> torch.Tensor:
     """Mask [n] of a pending piece's rows recomputed whatever their mass: all of a frame's, and a newest
     piece's within NEWEST_SPAN tokens of the reused part's end."""
     n = piece.end - piece.start
@@ -71,15 +71,15 @@ def forced_rows(req: ReuseRequest, piece: ReusePiece, newest: bool) -> torch.Ten
         return torch.ones(n, dtype=torch.bool)
     if not newest:
         return torch.zeros(n, dtype=torch.bool)
-    return torch.arange(piece.start, piece.end) >= req.reuse_end - NEWEST_SPAN
+    return torch.arange(piece.start, piece.end) >= reuse_end - NEWEST_SPAN
 
 
 def attention_mass(view: RequestView, pending: list[ReusePiece]) -> tuple[list[torch.Tensor], bool]:
     """The attention mass [n] each pending piece's tokens get from the selection queries, and whether
     those were cut to the prompt's last SELECT_MAX tokens."""
     req, ctx = view.req, view.ctx
-    b, n = req.reuse_end, len(req.prompt_ids)
-    qs, capped = selection_queries(req)
+    b, n = view.reuse_end, len(req.prompt_ids)
+    qs, capped = selection_queries(view)
     tail = max(qs, b)                          # own keys [tail, n) follow the reused view [0, b)
     pieces = view.attention_pieces(b, include_new=False) + ([view.own_piece(tail, n)] if n > tail else [])
     spans, offset = [], 0                      # where each pending piece's keys sit in the view
@@ -95,27 +95,28 @@ def attention_mass(view: RequestView, pending: list[ReusePiece]) -> tuple[list[t
     return backend.mass, capped
 
 
-def selection_queries(req: ReuseRequest) -> tuple[int, bool]:
+def selection_queries(view: RequestView) -> tuple[int, bool]:
     """Where the selection queries start, and whether they were cut to the prompt's last SELECT_MAX
-    tokens. They are the own tail, or from req.select_from on (an ahead-of-time correction also queries
+    tokens. They are the own tail, or from view.select_from on (an ahead-of-time correction also queries
     the last reused message, since the real tail is not known yet)."""
-    b, n = req.reuse_end, len(req.prompt_ids)
-    qs = min(req.select_from, b) if req.select_from is not None else b
+    b, n = view.reuse_end, len(view.req.prompt_ids)
+    qs = min(view.select_from, b) if view.select_from is not None else b
     return (n - SELECT_MAX, True) if qs < n - SELECT_MAX else (qs, False)
 
 
-def newest_pieces(req: ReuseRequest, pending: list[ReusePiece]) -> set[int]:
+def newest_pieces(view: RequestView, pending: list[ReusePiece]) -> set[int]:
     """ids of the pending pieces recomputed whole (up to NEWEST_SPAN tokens back, ``forced_rows``): the
     newest reused message, the one right before the own tail (at most a frame's tokens between), and
     back to the newest reused reply when that starts within NEWEST_SPAN tokens of the tail (a hand-off
     line often follows it). No ahead-of-time correction can cover that reply: it was still being decoded."""
-    if req.select_from is not None:
+    if view.select_from is not None:
         return set()        # ahead of time: the real request's newest message (a reply) is not known yet
+    b = view.reuse_end
     last = next((i for i in range(len(pending) - 1, -1, -1) if not pending[i].frame), None)
-    if last is None or req.reuse_end - pending[last].end > MAX_FRAME:
+    if last is None or b - pending[last].end > MAX_FRAME:
         return set()
     reply = next((i for i in range(last, -1, -1) if pending[i].home.decoded), None)
-    if reply is not None and req.reuse_end - pending[reply].start <= NEWEST_SPAN:
+    if reply is not None and b - pending[reply].start <= NEWEST_SPAN:
         last = min(last, reply)           # (its frames are recomputed whole anyway)
     return {id(p) for p in pending[last:]}
 

@@ -83,6 +83,7 @@ async def test_cacheblend_pipeline(engine):
     assert stats["memory"]["blocks_in_use"] == len(engine.segments.home_blocks)
     assert stats["memory"]["kv_bytes"] == stats["memory"]["home_view_bytes"] + stats["memory"]["kv_bytes_cached"]
     assert stats["reuse"]["cacheblend"]["ratio"] == 0.15
+    assert len(engine.methods["cacheblend"].states) == 0        # each request's state went with it
 
 
 async def test_cacheblend_holds_a_private_copy(engine):
@@ -200,15 +201,15 @@ def test_baseline_knobs_are_checked():
         ReuseOptions(reuse="blend").validate()
     for bad in (CacheBlendConfig(0.5), KVCommConfig(anchors=3)):
         with pytest.raises(ValueError, match="must be a"):          # another method's settings
-            EngineConfig(baselines={"cacheblend" if isinstance(bad, KVCommConfig) else "kvcomm": bad})
+            EngineConfig(methods={"cacheblend" if isinstance(bad, KVCommConfig) else "kvcomm": bad})
     with pytest.raises(ValueError, match="reuse must be one of"):
-        EngineConfig(baselines={"blend": CacheBlendConfig()})
+        EngineConfig(methods={"blend": CacheBlendConfig()})
     for make, field in ((lambda: CacheBlendConfig(ratio=1.5), "ratio"), (lambda: KVCommConfig(anchors=0), "anchors"),
                         (lambda: KVCommConfig(anchors=2.5), "anchors"), (lambda: KVCommConfig(threshold=0.0),
                                                                          "threshold")):
         with pytest.raises(ValueError, match=field):
             make()
-    cfg = EngineConfig(reuse="cacheblend", baselines={"cacheblend": CacheBlendConfig(ratio=0.2)})
+    cfg = EngineConfig(reuse="cacheblend", methods={"cacheblend": CacheBlendConfig(ratio=0.2)})
     assert ReuseOptions().resolve(cfg).recompute_ratio == 0.2
     assert ReuseOptions(recompute_ratio=0.4).resolve(cfg).recompute_ratio == 0.4
     assert ReuseOptions(reuse="kvcmas").resolve(cfg).recompute_ratio == cfg.kvcmas.recompute_ratio

@@ -135,7 +135,7 @@ async def test_home_views_pack_their_partial_blocks_and_serve_the_same_kv():
     engine/home_pack.py), and a later agent's result is the same as with every partial block held."""
     held, outs = {}, {}
     for pack in (True, False):
-        eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+        eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False)}))
         if not pack:
             eng.segments.packer.can_allocate = lambda: False     # hold partial blocks in place
         try:
@@ -229,7 +229,7 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
     """The role header and trailer around a decoded reply are new text for the first agent that renders
     the message; they become home views, so later agents reuse and correct them instead of recomputing
     every message's frame on every turn."""
-    ours = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    ours = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False)}))
     try:
         history = [{"role": "user", "content": TASK}]
         reply = await ours.generate(prompt("planner", history), agent="planner",
@@ -275,16 +275,16 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
             spec.u_head_bits) == ("int8_basis", 0, 0, True, 6, 28, 6)
     for bad in (-1, 2.5, True):
         with pytest.raises(ValueError, match="u8_components"):
-            EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(u8_components=bad)))
+            EngineConfig(methods={"kvcmas": KVCMASConfig(storage=StorageSpec(u8_components=bad))})
     for bad in (0, 5, 7, True):
         with pytest.raises(ValueError, match="small_row_bits"):
-            EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(small_row_bits=bad)))
+            EngineConfig(methods={"kvcmas": KVCMASConfig(storage=StorageSpec(small_row_bits=bad))})
     for bad in (0, 4, 7, True):
         with pytest.raises(ValueError, match="u_head_bits"):
-            EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(u_head_bits=bad)))
+            EngineConfig(methods={"kvcmas": KVCMASConfig(storage=StorageSpec(u_head_bits=bad))})
     for kind, knobs in kinds.items():
         storage = StorageSpec(uncorrected_energy=0.0, **knobs)
-        eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, storage=storage)))
+        eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False, storage=storage)}))
         try:
             await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
             outs[kind] = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
@@ -342,8 +342,8 @@ async def test_the_newest_reused_message_is_recomputed_whole(engine):
     history = await conversation(engine, turns=3)
     newest = {}
     for on in (True, False):
-        eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, recompute_newest=on,
-                                                                      recompute_ratio=0.25)))
+        eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False, recompute_newest=on,
+                                                                                  recompute_ratio=0.25)}))
         try:
             await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
             out = await eng.generate(prompt("coder", history), agent="coder", sampling=FIRST)
@@ -371,11 +371,11 @@ async def test_a_long_newest_message_is_recomputed_whole_only_near_the_tail(engi
 
     def spy(view, pending, newest_whole):
         rows, capped = select.select_rows(view, pending, newest_whole)
-        picked.append((view.req.reuse_end, [(p.start, p.end) for p in pending], rows))
+        picked.append((view.reuse_end, [(p.start, p.end) for p in pending], rows))
         return rows, capped
 
     monkeypatch.setattr(correction, "select_rows", spy)
-    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, recompute_ratio=0.25)))
+    eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False, recompute_ratio=0.25)}))
     try:
         await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
         out = await eng.generate(prompt("coder", history), agent="coder", sampling=FIRST)
@@ -406,7 +406,7 @@ async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection
     log = "\n".join(f"Log {i}: worker w{i % 5} processed batch b{i} in {10 + i % 37} ms, status ok."
                     for i in range(60))
     later = history + [{"role": "user", "content": "Tool output:\n" + log}]
-    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, recompute_ratio=0.25)))
+    eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False, recompute_ratio=0.25)}))
     try:
         await eng.generate(prompt("planner", history), agent="planner", sampling=FIRST)
         out = await eng.generate(prompt("coder", later), agent="coder", sampling=FIRST)
@@ -423,7 +423,7 @@ async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection
 async def test_the_newest_reply_and_the_hand_off_after_it_are_recomputed_whole():
     """A reply followed by a short hand-off line: no prefetch could correct that reply (it was not
     decoded yet), so it is recomputed whole along with the hand-off; older messages keep the ratio."""
-    ours = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, recompute_ratio=0.25)))
+    ours = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False, recompute_ratio=0.25)}))
     try:
         history = [{"role": "user", "content": TASK}]
         reply = await ours.generate(prompt("planner", history), agent="planner",
@@ -449,7 +449,8 @@ async def coder_turns(exact_engine: Engine, history: list[dict], later: list[dic
     ``later``. Returns (stats, coder's first output, its second, the held states); ``check`` asserts
     the second is closer to exact than naive reuse."""
     opts = ReuseOptions(reuse="kvcmas")
-    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, storage=StorageSpec(**storage))))
+    eng = Engine(EngineConfig(reuse="kvcmas",
+                              methods={"kvcmas": KVCMASConfig(prefetch=False, storage=StorageSpec(**storage))}))
     try:
         await eng.generate(prompt("planner", history), agent="p", sampling=FIRST, reuse_options=opts)
         first = await eng.generate(prompt("coder", history), agent="c", sampling=FIRST, reuse_options=opts)
@@ -480,7 +481,7 @@ async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine)
                                   reuse_options=ReuseOptions(reuse="none"))
     assert kl(exact.logits[0], outs[default][1].logits[0]) < 0.01
     with pytest.raises(ValueError, match="correction_energy"):
-        EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(correction_energy=0.0)))
+        EngineConfig(methods={"kvcmas": KVCMASConfig(storage=StorageSpec(correction_energy=0.0))})
 
 
 async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
@@ -504,7 +505,7 @@ async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
     assert outs[default][0].usage.recomputed_tokens == outs[0.0][0].usage.recomputed_tokens > 0
     for bad in (-0.1, 1.0):
         with pytest.raises(ValueError, match="uncorrected_energy"):
-            EngineConfig(kvcmas=KVCMASConfig(storage=StorageSpec(uncorrected_energy=bad)))
+            EngineConfig(methods={"kvcmas": KVCMASConfig(storage=StorageSpec(uncorrected_energy=bad))})
 
 
 @pytest.mark.parametrize("name", ["value_bits", "key_bits"])
@@ -548,7 +549,7 @@ async def test_an_agents_tool_loop_reads_its_own_earlier_turns_exactly(engine):
     generation prompt and the reply decoded from it are one exact home, and once the reply's trailer
     is computed the whole message is; so the next turn computes only the new text, with no correction
     or recompute pass over the view."""
-    ours = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    ours = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False)}))
     try:
         history = await conversation(engine, turns=2)
         messages = prompt("reviewer", history)
@@ -586,7 +587,7 @@ async def test_a_tool_call_re_encoded_from_its_parsed_form_is_still_read_exactly
     tools = [{"type": "function", "function": {
         "name": "run_tests", "description": "Run the test suite of a module and report failures.",
         "parameters": {"type": "object", "properties": {"module": {"type": "string"}}, "required": ["module"]}}}]
-    ours = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    ours = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False)}))
     try:
         messages = [{"role": "system", "content": "You are a tester. Use the tools to check code."},
                     {"role": "user", "content": "Run the tests of module intervals and tell me what failed."}]

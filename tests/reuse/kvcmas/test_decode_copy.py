@@ -20,14 +20,15 @@ def prompt(agent: str, history: list[dict]) -> list[dict]:
 async def later_turn(copy: str, sampling: SamplingParams = DECODE, room: bool = True):
     """The planner answers the task; the coder then reuses it, with the planner's reply as a message.
     ``room=False``: the KV budget has no blocks to spare for a copy."""
-    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False, decode_copy=copy)))
+    eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False, decode_copy=copy)}))
     if not room:
-        eng.methods["kvcmas"].ctx.take_blocks = lambda n: None
+        eng.methods["kvcmas"].ctx.own_holes = lambda req: False
     try:
         history = [{"role": "user", "content": TASK}]
         first = await eng.generate(prompt("planner", history), agent="planner", sampling=SamplingParams(max_tokens=32))
         history.append({"role": "user", "content": f"[planner] {first.text}"})
         out = await eng.generate(prompt("coder", history), agent="coder", sampling=sampling)
+        assert len(eng.methods["kvcmas"].states) == 0          # each request's state went with it
         return out, eng.stats(), history
     finally:
         await eng.aclose()
@@ -78,7 +79,7 @@ async def test_a_correcting_request_says_where_its_ttft_went():
 async def test_a_read_through_decode_keeps_its_unpacked_codes_as_state_only_while_it_runs():
     """Decoding over the view (no copy) keeps the corrections' unpacked codes on the request's view: they
     are counted in the engine's state bytes while it decodes, and dropped when it ends."""
-    eng = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False)}))
     try:
         history = [{"role": "user", "content": TASK}]
         first = await eng.generate(prompt("planner", history), agent="planner", sampling=SamplingParams(max_tokens=32))

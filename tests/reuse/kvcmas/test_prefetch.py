@@ -48,7 +48,7 @@ async def play(engine: Engine, rounds: list[list[list[dict]]], sampling=FIRST) -
 
 
 async def test_successors_corrections_are_computed_ahead_and_used(histories):
-    plain = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch=False)))
+    plain = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False)}))
     ahead = Engine(EngineConfig(reuse="kvcmas"))
     naive = Engine(EngineConfig(reuse="naive"))
     exact = Engine(EngineConfig(reuse="none"))
@@ -205,7 +205,7 @@ async def test_a_long_newest_message_selects_by_its_last_tokens_only(selection_q
     shared = [{"role": "user", "content": TASK + "\n\nDesign notes:\n" + doc}]
     # At the default prefetch_ratio (0.9) the pass would spare fewer rows than SELECT_MAX queries cost,
     # and be skipped (next test); at 0.5 it runs.
-    engine = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch_ratio=0.5)))
+    engine = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch_ratio=0.5)}))
     exact = Engine(EngineConfig(reuse="none"))
     try:
         engine.set_edges(EDGES[:1])
@@ -240,7 +240,7 @@ async def test_a_prefetch_that_would_spare_few_rows_recomputes_them_all_without_
     real_mass = select.attention_mass
 
     def spy(view, pending):
-        ranked.append(view.req.select_from is not None)     # True: an ahead-of-time correction's pass
+        ranked.append(view.select_from is not None)     # True: an ahead-of-time correction's pass
         return real_mass(view, pending)
 
     engine, exact = Engine(EngineConfig(reuse="kvcmas")), Engine(EngineConfig(reuse="none"))
@@ -268,7 +268,7 @@ async def test_idle_prefetch_waits_for_an_idle_engine_and_yields_to_the_real_req
     nothing runs, and a successor whose request arrives first drops it and corrects inline."""
     import asyncio
 
-    engine = Engine(EngineConfig(reuse="kvcmas", kvcmas=KVCMASConfig(prefetch="idle")))
+    engine = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch="idle")}))
     engine.set_edges(EDGES)
     try:
         planner, coder = list(SYSTEM)[:2]
