@@ -27,6 +27,19 @@ def test_peers_runs_our_engine_and_reports_a_missing_peer(tmp_path):
     assert "kvcmas reuse=prefix, dense weights" in text and "solo decode tok/s" in text
 
 
+def test_the_inline_row_corrects_nothing_ahead_of_time(tmp_path):
+    """``kvcmas-kvcmas-inline`` is kvcmas with prefetch off, and its run says so: no correction was
+    made between turns, while the default row makes them once the agents' prefixes are known."""
+    out = tmp_path / "peers"
+    rc = cli.main(["--contexts", "120", "--agents", "2", "--rounds", "2", "--reply-tokens", "3",
+                   "--solo-tokens", "3", "--engines", "kvcmas-kvcmas", "kvcmas-kvcmas-inline", "--out", str(out)])
+    assert rc == 0
+    default, inline = json.loads((out / "peers.json").read_text())["runs"]
+    assert default["prefetch"] == "decode" and default["prefetched"] > 0
+    assert inline["prefetch"] == "off" and inline["prefetched"] == 0
+    assert inline["engine"] == "kvcmas reuse=kvcmas, prefetch=off" and inline["reuse_fallbacks"] == 0
+
+
 def test_a_trace_past_the_window_is_refused_before_any_run(tmp_path):
     import pytest
     with pytest.raises(SystemExit, match="past the model's 8192"):

@@ -149,8 +149,11 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
         engine.close()
         label = {"dense": ", dense weights", "int8": ", int8 rows", "copy": ", decode_copy=auto",
                  "inline": ", prefetch=off"}.get(variant, "")
+        kv = stats["reuse"].get("kvcmas", {})
         return {"engine": f"kvcmas reuse={mode}{label}", "weights": stats["engine"]["weights"],
-                "reuse_fallbacks": stats["counters"]["reuse_fallbacks"]}
+                "reuse_fallbacks": stats["counters"]["reuse_fallbacks"],
+                "prefetch": kv.get("settings", {}).get("prefetch"),
+                "prefetched": (kv.get("prefetch") or {}).get("corrections", 0)}
     return chat, extra
 
 
