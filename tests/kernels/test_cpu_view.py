@@ -157,7 +157,8 @@ def test_plain_paged_attention_by_the_loops_matches_sdpa(queries):
 @pytest.mark.parametrize("queries,keys", [(1, 7), (1, 300), (3, 37), (2, 1000)])
 def test_the_wide_loops_give_what_the_portable_ones_give(monkeypatch, tmp_path, queries, keys):
     """Scores sixteen keys a sum and values in registers (AVX-512, 64-wide heads) against the portable
-    loops (forced here), with and without realigned key classes, at key counts off a multiple of 16."""
+    loops (forced here), with and without realigned key classes (mixed, and in runs of one class), at
+    key counts off a multiple of 16, and the low-rank terms' AVX-512 code conversion."""
     if not cpu_view.wide():
         pytest.skip("no AVX-512 here: the loops built are the portable ones")
     g = torch.Generator().manual_seed(keys)
@@ -165,12 +166,20 @@ def test_the_wide_loops_give_what_the_portable_ones_give(monkeypatch, tmp_path, 
     slots = torch.randperm(keys + 40, generator=g)[:keys]
     q = torch.randn(queries, 9, 64, generator=g)
     key_class = torch.randint(0, 3, (keys,), generator=g)
+    runs = torch.sort(key_class).values                # sixteen keys of one class: one query row each
     cos, sin = torch.rand(3, 64, generator=g), torch.rand(3, 64, generator=g)
+    rows = torch.arange(2, 2 + keys // 2)              # low-rank terms of consecutive rows (a KeyOrder's)
+    u8 = torch.randint(-127, 128, (3, 8, rows.numel()), dtype=torch.int8, generator=g)
+    coeffs, group = cpu_view.Coeffs(u8, torch.rand(3, rows.numel(), generator=g)), torch.zeros(rows.numel(), dtype=torch.int32)
+    qb = torch.randn(1, 3, 3 * queries, 8, generator=g)
+    probs = torch.softmax(torch.randn(3, 3 * queries, keys, generator=g), -1)
 
     def both():
         plain = cpu_view.attention(q, k_cache, v_cache, slots, 0.125)
         moved = cpu_view.scores(q, k_cache, slots, key_class, cos, sin)
-        return plain, moved
+        in_runs = cpu_view.scores(q, k_cache, slots, runs, cos, sin)
+        cpu_view.lowrank_scores(in_runs, rows, group, qb, coeffs)
+        return plain, moved, in_runs, cpu_view.lowrank_values(probs, rows, group, 1, coeffs)
 
     fast = both()
     monkeypatch.setenv("KVCMAS_CACHE_DIR", str(tmp_path))
