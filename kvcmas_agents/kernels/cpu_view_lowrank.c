@@ -122,9 +122,12 @@ static int consecutive(const int64_t *rows, const int *shares, int count) {
     return 1;
 }
 
-/* Whether no position appears twice among rows (a chain's rows appear once per group): then each
- * share may add its terms into the scores itself. */
+/* Whether no position appears twice among rows (a chain's rows appear once per group): then each share
+ * adds its terms into the scores itself. Increasing rows (a KeyOrder's) are, with no marks to make. */
 static int disjoint(const int64_t *rows, int nrows, int ctx) {
+    int increasing = nrows == 0 || (rows[0] >= 0 && rows[nrows - 1] < ctx);
+    for (int j = 1; j < nrows && increasing; j++) increasing = rows[j] > rows[j - 1];
+    if (increasing) return 1;
     unsigned char *seen = calloc((size_t)ctx, 1);
     int ok = 1;
     for (int j = 0; j < nrows && ok; j++) {
