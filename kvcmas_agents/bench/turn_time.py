@@ -10,7 +10,7 @@ Prints one JSON object: per mode, each later agent's TTFT (median over rounds), 
 (``RequestOutput.timings``: plan, select, recompute, compress, forward, ...), tokens reused and
 recomputed, and the first-token KL against ``prefix`` (exact).
 
-    kvcmas bench turn-time [--rounds 3] [--ratio 0.5 --ratio 0.2 ...] [--no-newest]
+    kvcmas bench turn-time [--rounds 3] [--ratio 0.5 --ratio 0.2 ...] [--no-newest] [--bf16]
 """
 from __future__ import annotations
 
@@ -77,6 +77,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratio", type=float, action="append",
                         help="kvcmas recompute_ratio(s) to run, each a variant (default: the engine's default only)")
     parser.add_argument("--no-newest", action="store_true", help="also run kvcmas without recompute_newest")
+    parser.add_argument("--bf16", action="store_true", help="also run kvcmas with recompute_dtype=\"bfloat16\"")
 
 
 def variants_of(args: argparse.Namespace) -> dict[str, tuple[str, KVCMASConfig]]:
@@ -87,6 +88,8 @@ def variants_of(args: argparse.Namespace) -> dict[str, tuple[str, KVCMASConfig]]
         variants[name] = ("kvcmas", KVCMASConfig(**knobs))
         if args.no_newest:
             variants[f"{name}-no-newest"] = ("kvcmas", KVCMASConfig(recompute_newest=False, **knobs))
+        if getattr(args, "bf16", False):
+            variants[f"{name}-bf16"] = ("kvcmas", KVCMASConfig(recompute_dtype="bfloat16", **knobs))
     return variants
 
 

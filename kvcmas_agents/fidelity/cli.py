@@ -6,7 +6,7 @@ import asyncio
 
 from ..engine import KVCMASConfig, ReuseOptions, StorageSpec
 from ..reuse import names as reuse_modes
-from ..reuse.kvcmas.config import DECODE_COPY
+from ..reuse.kvcmas.config import DECODE_COPY, RECOMPUTE_DTYPES
 from ..reuse.options import REFERENCES
 from ..reuse.storage.codec import HEAD_BITS
 from ..reuse.storage.quant_rows import BITS as ROW_BITS
@@ -55,6 +55,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="KVCMASConfig.prefetch_ratio of ahead-of-time corrections (engine default)")
     parser.add_argument("--decode-copy", choices=DECODE_COPY, default=None,
                         help="KVCMASConfig.decode_copy: decode over a copy of the view (engine default)")
+    parser.add_argument("--recompute-dtype", choices=RECOMPUTE_DTYPES, default=None,
+                        help="KVCMASConfig.recompute_dtype: the recompute's products (engine default)")
     parser.add_argument("--no-edges", action="store_true",
                         help="do not register the scenarios' edge order with the engines (with --no-declare: "
                              "an engine that nobody told anything)")
@@ -90,8 +92,8 @@ def storage_of(args: argparse.Namespace) -> StorageSpec:
 
 def settings_of(args: argparse.Namespace) -> KVCMASConfig:
     """The KVCMAS settings of the replays' engines (the knobs of --recompute-ratio etc. apply per run)."""
-    extra = {k: v for k, v in (("prefetch_ratio", args.prefetch_ratio), ("decode_copy", args.decode_copy))
-             if v is not None}
+    extra = {k: v for k, v in (("prefetch_ratio", args.prefetch_ratio), ("decode_copy", args.decode_copy),
+                               ("recompute_dtype", args.recompute_dtype)) if v is not None}
     return KVCMASConfig(storage=storage_of(args), **extra)
 
 

@@ -64,9 +64,12 @@ ROW_CHUNK = 256
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, scale: float,
-                   chunk: int = ROW_CHUNK) -> torch.Tensor:
+                   chunk: int = ROW_CHUNK, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention of queries at ``positions`` [n] (ascending for speed, any order is correct) over
-    keys at positions [0, ctx): query i sees keys up to positions[i]. q [n, H, D], k/v [ctx, KVH, D]."""
+    keys at positions [0, ctx): query i sees keys up to positions[i]. q [n, H, D], k/v [ctx, KVH, D].
+    ``dtype``: the inputs rounded to it (the fused kernel sums in fp32), the output back in q's dtype."""
+    if dtype is not None and dtype != q.dtype and q.shape[0] > 0:
+        return rows_attention(q.to(dtype), k.to(dtype), v.to(dtype), positions, scale, chunk).to(q.dtype)
     outs = []
     for s in range(0, q.shape[0], chunk):
         pos = positions[s:s + chunk]

@@ -7,7 +7,8 @@ against any KV view it supplies.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from contextlib import contextmanager
+from typing import Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from ..kernels import cpu_quant
 from ..switches import SWITCHES
 from .args import ModelArgs
-from .blocks import BlockWeight, stacked
+from .blocks import MAX_ROWS, BlockWeight, stacked
 from .rope import RotaryEmbedding, rotate, rotate_, signed_sin
 
 
@@ -46,6 +47,16 @@ def linear(x: torch.Tensor, w: torch.Tensor | BlockWeight, b: torch.Tensor | Non
     xs = torch.cat([x, x]) if rows == 1 else x
     out = (w @ xs.t()).t()[:rows].contiguous()
     return out if b is None else out + b
+
+
+def wide_linear(x: torch.Tensor, w: torch.Tensor | BlockWeight, b: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """x @ w.T (+ b) with inputs rounded to ``dtype`` and the result back in x's dtype: a prefill-sized
+    product on the CPU's bf16 matrix units (AMX: 3-5x fp32's rate), the weight cast per call (no copy
+    kept)."""
+    dense = w.dense if isinstance(w, BlockWeight) else w
+    out = F.linear(x.to(dtype), dense.to(dtype), None if b is None else b.to(dtype))
+    return out.to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,6 +93,23 @@ class LlamaModel:
         if isinstance(self._lm_head, BlockWeight):
             used[id(self._lm_head)] = self._lm_head
         self.block_bytes = sum(w.block_bytes for w in used.values())
+        self.wide_dtype: torch.dtype | None = None      # ``products``: wide products' input precision
+
+    @contextmanager
+    def products(self, dtype: torch.dtype | None) -> Iterator[None]:
+        """Within the block, products wider than a decode step's (more than MAX_ROWS rows) take their
+        inputs in ``dtype`` (None: as they are). For passes whose result is an approximation anyway
+        (KVCMAS's recompute and selection); the model runs on one worker thread."""
+        saved, self.wide_dtype = self.wide_dtype, (None if dtype == self.dtype else dtype)
+        try:
+            yield
+        finally:
+            self.wide_dtype = saved
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor | BlockWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+        if self.wide_dtype is not None and x.shape[0] > MAX_ROWS:
+            return wide_linear(x, w, b, self.wide_dtype)
+        return linear(x, w, b)
 
     def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
@@ -133,9 +161,9 @@ class LlamaModel:
             v = out[:, heads * a.head_dim:].view(t, a.num_kv_heads, a.head_dim)
             return (q, k, v) if t == 1 else (q.contiguous(), k.contiguous(), v.contiguous())
         x = rms_norm(h, lw["in_norm"], a.rms_norm_eps)
-        q = linear(x, lw["q"], lw["q_b"]).view(t, a.num_heads, a.head_dim)
-        k = linear(x, lw["k"], lw["k_b"]).view(t, a.num_kv_heads, a.head_dim)
-        v = linear(x, lw["v"], lw["v_b"]).view(t, a.num_kv_heads, a.head_dim)
+        q = self._linear(x, lw["q"], lw["q_b"]).view(t, a.num_heads, a.head_dim)
+        k = self._linear(x, lw["k"], lw["k_b"]).view(t, a.num_kv_heads, a.head_dim)
+        v = self._linear(x, lw["v"], lw["v_b"]).view(t, a.num_kv_heads, a.head_dim)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def _rope_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,14 +181,14 @@ class LlamaModel:
         if tail is not None and BlockWeight.serves(h):     # o, residual, norm, gate/up, silu, down, residual
             return cpu_quant.layer_tail(h, attn_out, lw["post_norm"], self.args.rms_norm_eps, *tail,
                                         self.args.intermediate_size, lw["down"].int8)
-        h = h + linear(attn_out, lw["o"], lw["o_b"])
+        h = h + self._linear(attn_out, lw["o"], lw["o_b"])
         fused = lw.get("gate_up")
         if fused is not None and fused.serves(h):
             act = fused.product(h, lw["post_norm"], self.args.rms_norm_eps, glu=True)   # norm, gate, up, silu
         else:
             x = rms_norm(h, lw["post_norm"], self.args.rms_norm_eps)
-            act = F.silu(linear(x, lw["gate"])) * linear(x, lw["up"])
-        return h + linear(act, lw["down"])
+            act = F.silu(self._linear(x, lw["gate"])) * self._linear(x, lw["up"])
+        return h + self._linear(act, lw["down"])
 
     def layer(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         q, k, v = self.qkv(layer, h, positions)

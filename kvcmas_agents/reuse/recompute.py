@@ -30,7 +30,8 @@ def recompute(model: LlamaModel, token_ids: torch.Tensor, positions: torch.Tenso
 
     At each layer the rows' new KV replaces theirs in the context before attention, so they see each
     other's new KV and every other position's context KV. A hook may narrow the rows for the
-    following layers; rows it drops keep the KV computed so far.
+    following layers; rows it drops keep the KV computed so far. Within ``model.products(dtype)`` the
+    rows' projections and attention take their inputs in that dtype.
     """
     pos = positions.to(model.device)
     if pos.numel() == 0:
@@ -45,4 +46,4 @@ def recompute(model: LlamaModel, token_ids: torch.Tensor, positions: torch.Tenso
             q, h, pos = q[keep], h[keep], pos[keep]
             if pos.numel() == 0:
                 return
-        h = model.finish_layer(layer, h, rows_attention(q, kk, vv, pos, model.scale))
+        h = model.finish_layer(layer, h, rows_attention(q, kk, vv, pos, model.scale, dtype=model.wide_dtype))

@@ -27,14 +27,17 @@ def test_peers_runs_our_engine_and_reports_a_missing_peer(tmp_path):
     assert "kvcmas reuse=prefix, dense weights" in text and "solo decode tok/s" in text
 
 
-def test_the_inline_row_corrects_nothing_ahead_of_time(tmp_path):
+def test_the_inline_row_corrects_nothing_ahead_of_time_and_the_bf16_row_recomputes_in_bf16(tmp_path):
     """``kvcmas-kvcmas-inline`` is kvcmas with prefetch off, and its run says so: no correction was
-    made between turns, while the default row makes them once the agents' prefixes are known."""
+    made between turns, while the default row makes them once the agents' prefixes are known.
+    ``kvcmas-kvcmas-bf16`` says its recompute ran in bf16 products, the default row in the model's fp32."""
     out = tmp_path / "peers"
     rc = cli.main(["--contexts", "120", "--agents", "2", "--rounds", "2", "--reply-tokens", "3",
-                   "--solo-tokens", "3", "--engines", "kvcmas-kvcmas", "kvcmas-kvcmas-inline", "--out", str(out)])
+                   "--solo-tokens", "3", "--engines", "kvcmas-kvcmas", "kvcmas-kvcmas-inline", "kvcmas-kvcmas-bf16", "--out", str(out)])
     assert rc == 0
-    default, inline = json.loads((out / "peers.json").read_text())["runs"]
+    default, inline, bf16 = json.loads((out / "peers.json").read_text())["runs"]
+    assert bf16["recompute_products"] == "bfloat16" and bf16["engine"] == "kvcmas reuse=kvcmas, bf16 recompute"
+    assert default["recompute_products"] == "float32"
     assert default["prefetch"] == "decode" and default["prefetched"] > 0
     assert inline["prefetch"] == "off" and inline["prefetched"] == 0
     assert inline["engine"] == "kvcmas reuse=kvcmas, prefetch=off" and inline["reuse_fallbacks"] == 0

@@ -23,3 +23,16 @@ def test_later_agents_are_reported_with_their_phases_and_fidelity():
         assert k["phases"]["select"] > 0 and k["phases"]["recompute"] > 0 and k["phases"]["compress"] > 0
         assert k["first_token_kl"] < 0.01 and k["same_top1"]
     assert ours["speedup_vs_prefix"] == prefix["ttft_mean_s"] / ours["ttft_mean_s"]
+
+
+def test_bf16_adds_a_variant_in_bf16_products_beside_each_ratio():
+    import argparse
+
+    from kvcmas_agents.bench.turn_time import add_args, variants_of
+    parser = argparse.ArgumentParser()
+    add_args(parser)
+    variants = variants_of(parser.parse_args(["--ratio", "0.3", "--bf16"]))
+    assert list(variants) == ["prefix", "kvcmas@0.3", "kvcmas@0.3-bf16"]
+    mode, cfg = variants["kvcmas@0.3-bf16"]
+    assert mode == "kvcmas" and cfg.recompute_dtype == "bfloat16" and cfg.recompute_ratio == 0.3
+    assert variants["kvcmas@0.3"][1].recompute_dtype == "model"

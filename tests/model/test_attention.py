@@ -55,3 +55,17 @@ def test_rows_attention_matches_one_full_mask_whatever_the_chunking(chunk):
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     assert rows_attention(q[:0], k, v, pos[:0], 0.3).shape == (0, 6, 8)
+
+
+def test_rows_attention_in_bf16_is_close_to_fp32_and_returns_fp32():
+    """``dtype`` rounds the inputs (the kernel sums in fp32): a few parts in a thousand, not the same."""
+    torch.manual_seed(4)
+    ctx, n = 300, 90
+    q, k, v = torch.randn(n, 9, 64), torch.randn(ctx, 3, 64), torch.randn(ctx, 3, 64)
+    pos = torch.randperm(ctx)[:n].sort().values
+    ref = rows_attention(q, k, v, pos, 0.125)
+    out = rows_attention(q, k, v, pos, 0.125, dtype=torch.bfloat16)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert not torch.equal(out, ref)
+    torch.testing.assert_close(out, ref, rtol=0, atol=3e-2)
+    assert rows_attention(q, k, v, pos, 0.125, dtype=torch.float32).equal(ref)

@@ -320,3 +320,26 @@ def test_mixed_decode_and_prefill_step(tiny):
     second = _paged_step(model, store, [(a, ba, 9, 10), (b, bb, 5, 12)])
     torch.testing.assert_close(second[0], ref_a[9], rtol=0, atol=1e-4)
     torch.testing.assert_close(second[1:], ref_b[5:], rtol=0, atol=1e-4)
+
+
+def test_products_round_only_wide_products_and_only_inside_the_block(tiny):
+    """``products(bf16)``: a prefill-sized forward moves by bf16 rounding, a decode-sized one (up to the
+    blocks' MAX_ROWS rows) not at all, and the model's own precision comes back after the block."""
+    kind, hf, model, args = tiny
+    ids = torch.tensor(_ids(24, seed=5))
+    pos = torch.arange(24)
+
+    def hidden(n):
+        return model.forward(ids[:n], pos[:n], ContiguousAttention(args.num_layers, model.scale))
+    wide, narrow = hidden(24), hidden(4)
+    with model.products(torch.bfloat16):
+        assert model.wide_dtype == torch.bfloat16
+        wide_bf, narrow_bf = hidden(24), hidden(4)
+        with model.products(model.dtype):         # the model's own dtype: nothing rounded
+            assert model.wide_dtype is None
+        assert model.wide_dtype == torch.bfloat16
+    assert model.wide_dtype is None
+    assert narrow_bf.equal(narrow)
+    assert not wide_bf.equal(wide)
+    torch.testing.assert_close(wide_bf, wide, rtol=0, atol=0.1 * float(wide.abs().max()))
+    assert hidden(24).equal(wide)

@@ -25,9 +25,10 @@ OURS = ("kvcmas-none", "kvcmas-prefix", "kvcmas-kvcmas")
 # opt-in rows: prefix on the dense fp32 weights (weights="dense"); prefix and kvcmas with decode rows
 # rounded to int8 (weights="int8", llama.cpp's numerics); kvcmas writing each view into the request's
 # own blocks for its decode (decode_copy="auto": prefix's decode speed, more KV while it runs); kvcmas
-# correcting every request inline, nothing ahead of time (prefetch="off": no work between decode steps)
+# correcting every request inline, nothing ahead of time (prefetch="off": no work between decode steps);
+# kvcmas recomputing in bf16 products (recompute_dtype="bfloat16": faster on AMX, flips near-ties)
 EXTRA = ("kvcmas-prefix-dense", "kvcmas-prefix-int8", "kvcmas-kvcmas-int8", "kvcmas-kvcmas-copy",
-         "kvcmas-kvcmas-inline")
+         "kvcmas-kvcmas-inline", "kvcmas-kvcmas-bf16")
 ENGINES = OURS + ("llama.cpp", "vllm")
 AGENTS = (("planner", "You are the planner. Break the task into steps for the team."),
           ("coder", "You are the coder. Write the code the plan asks for."),

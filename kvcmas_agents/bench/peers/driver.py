@@ -127,7 +127,8 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
 
     engine = Engine(EngineConfig(reuse=mode, weights=variant if variant in ("dense", "int8") else "auto",
                                  methods={"kvcmas": KVCMASConfig(decode_copy="auto" if variant == "copy" else "off",
-                                                                 prefetch="off" if variant == "inline" else "decode")}))
+                                                                 prefetch="off" if variant == "inline" else "decode",
+                                                                 recompute_dtype="bfloat16" if variant == "bf16" else "model")}))
     names = [a for a, _ in trace["agents"]]
     if mode == "kvcmas" and trace.get("edges", True):         # what a registered LangGraph graph gives
         engine.set_edges(list(zip(names, names[1:] + names[:1])))
@@ -148,11 +149,12 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
         stats = engine.stats()
         engine.close()
         label = {"dense": ", dense weights", "int8": ", int8 rows", "copy": ", decode_copy=auto",
-                 "inline": ", prefetch=off"}.get(variant, "")
+                 "inline": ", prefetch=off", "bf16": ", bf16 recompute"}.get(variant, "")
         kv = stats["reuse"].get("kvcmas", {})
         return {"engine": f"kvcmas reuse={mode}{label}", "weights": stats["engine"]["weights"],
                 "reuse_fallbacks": stats["counters"]["reuse_fallbacks"],
                 "prefetch": kv.get("settings", {}).get("prefetch"),
+                "recompute_products": kv.get("recompute_products"),
                 "prefetched": (kv.get("prefetch") or {}).get("corrections", 0)}
     return chat, extra
 

@@ -8,7 +8,8 @@ from ..storage.spec import StorageSpec
 
 PREFETCH: tuple[str, ...] = ("off", "idle", "decode")
 DECODE_COPY: tuple[str, ...] = ("off", "auto")
-DECODE_COPY_MIN = 16        # decode tokens from which "auto" copies a request's view
+DECODE_COPY_MIN = 16
+RECOMPUTE_DTYPES: tuple[str, ...] = ("model", "bfloat16", "auto")        # decode tokens from which "auto" copies a request's view
 
 
 @dataclass
@@ -31,6 +32,13 @@ class KVCMASConfig:
         every step); "auto" writes the view into blocks of the request's own for the length of its decode
         when it may decode at least DECODE_COPY_MIN tokens and the blocks fit the KV budget (faster decode
         steps, more KV memory while it runs).
+    recompute_dtype: precision of the recompute's projections and attention and the selection pass's
+        projections (norms, the selection's mass and the stored deviations stay in the model's dtype;
+        the own tail's prefill is untouched): "model" keeps the model's; "bfloat16" rounds their inputs
+        to bf16 (on a CPU with AMX tiles 3-5x fp32's rate); "auto" takes bf16 for an fp32 model on such
+        a CPU, else the model's. bf16 keeps KL but flips greedy near-ties: it misses the fidelity
+        harness's agreement target with nothing declared (docs/speed.md), so it is opt-in. A recompute
+        ratio of 1.0 always keeps the model's (it stays exact).
     storage: how corrections are stored (StorageSpec).
     """
 
@@ -41,6 +49,7 @@ class KVCMASConfig:
     prefetch_ratio: float = 0.9
     recompute_newest: bool = True
     decode_copy: str = "off"
+    recompute_dtype: str = "model"
     storage: StorageSpec = field(default_factory=StorageSpec)
 
     def __post_init__(self) -> None:
@@ -58,5 +67,7 @@ class KVCMASConfig:
             raise ValueError(f"prefetch must be one of {PREFETCH} (or a bool), got {self.prefetch!r}")
         if self.decode_copy not in DECODE_COPY:
             raise ValueError(f"decode_copy must be one of {DECODE_COPY}, got {self.decode_copy!r}")
+        if self.recompute_dtype not in RECOMPUTE_DTYPES:
+            raise ValueError(f"recompute_dtype must be one of {RECOMPUTE_DTYPES}, got {self.recompute_dtype!r}")
         if not isinstance(self.storage, StorageSpec):
             raise ValueError(f"storage must be a StorageSpec, got {self.storage!r}")

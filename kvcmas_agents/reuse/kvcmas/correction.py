@@ -32,11 +32,20 @@ from .select import select_rows
 UNCORRECTED_LAYERS = 1
 
 
+def products_dtype(setting: str, model) -> torch.dtype:
+    """The dtype a KVCMASConfig.recompute_dtype setting gives the recompute's products on ``model``."""
+    if setting == "auto":
+        fast = model.device.type == "cpu" and torch.cpu._is_amx_tile_supported()
+        return torch.bfloat16 if fast and model.dtype == torch.float32 else model.dtype
+    return model.dtype if setting == "model" else getattr(torch, setting)
+
+
 class Corrector:
     """Computes and stores the corrections of a KVCMAS method's requests; counts what it left out."""
 
-    def __init__(self, ctx: ReuseContext, storage: StorageSpec, newest_whole: bool):
+    def __init__(self, ctx: ReuseContext, storage: StorageSpec, newest_whole: bool, recompute_dtype: str = "model"):
         self.ctx = ctx
+        self.products = products_dtype(recompute_dtype, ctx.model)
         self.storage, self.fmt = storage, storage.format()
         self.newest_whole = newest_whole
         self.layers_dropped = 0        # leading layers past UNCORRECTED_LAYERS not stored, summed over requests
@@ -55,12 +64,14 @@ class Corrector:
         for p in pending:
             p.chain = self._reference_chain(req, p)
         rows: list[torch.Tensor] = []
-        if pending:
-            with req.timings.phase("select"):
-                rows, how = select_rows(view, pending, self.newest_whole)
-            self.selections_capped += how == "capped"
-            self.selections_skipped += how == "skipped"
-        self._recompute(view, pending, rows, new)
+        exact = req.options.recompute_ratio >= 1.0
+        with self.ctx.model.products(None if exact else self.products):
+            if pending:
+                with req.timings.phase("select"):
+                    rows, how = select_rows(view, pending, self.newest_whole)
+                self.selections_capped += how == "capped"
+                self.selections_skipped += how == "skipped"
+            self._recompute(view, pending, rows, new)
 
     def _reference_chain(self, req: ReuseRequest, piece: ReusePiece) -> list[LowRankDelta]:
         if req.options.reference != "chain":

@@ -25,7 +25,7 @@ class KVCMAS(CrossAgentMethod):
     def __init__(self, ctx: ReuseContext, settings: KVCMASConfig | None = None):
         super().__init__(ctx, settings or KVCMASConfig())
         s = self.settings
-        self.corrector = Corrector(ctx, s.storage, s.recompute_newest)
+        self.corrector = Corrector(ctx, s.storage, s.recompute_newest, s.recompute_dtype)
         self.prefetcher = (Prefetcher(ctx, self.plan, self.request_view, self.correct, self.release,
                                       s.prefetch_ratio)
                            if s.prefetch != "off" else None)
@@ -107,6 +107,7 @@ class KVCMAS(CrossAgentMethod):
             "corrections": seg.corrections, "correction_bytes": seg.correction_bytes,
             "corrections_evicted": self.ctx.segments.corrections_evicted,
             "correction_basis_bytes": seg.basis_bytes, "correction_bytes_by_agent": seg.by_agent,
+            "recompute_products": str(c.products).removeprefix("torch."),
             "rows_dropped": c.rows_dropped, "layers_dropped": c.layers_dropped,
             "selections_capped": c.selections_capped, "selections_skipped": c.selections_skipped,
             "decode_copies": self.decode_copies, "decode_copy_blocks": self.decode_copy_blocks,
