@@ -211,9 +211,11 @@ class RayBackend:
         the supervisor's (failed starts, refused by the cap, starts in the window, the cap)."""
         self._ensure_health_check()
         self.supervisor.retry_dead()          # slots the cap refused earlier, once the window has room
-        per = await asyncio.gather(*(self._replica_stats(i) for i in range(self.config.replicas)))
+        # One snapshot of the slots and the supervisor before any await: a replacement that completes
+        # while the replicas answer must not be counted as replaced while its slot still reads dead.
+        heads, sup = [self._replica_head(i) for i in range(self.config.replicas)], self.supervisor.stats()
+        per = await asyncio.gather(*(self._replica_stats(h) for h in heads))
         live = [s for s in per if s["alive"] and "counters" in s]
-        sup = self.supervisor.stats()
         return {"replicas": per, "alive": sum(s["alive"] for s in per), "replacing": sup["replacing"],
                 "replaced": sup["replaced"], "replacement": sup, "sessions": len(self.router),
                 "counters": _sum_numbers([s["counters"] for s in live]),
@@ -270,12 +272,15 @@ class RayBackend:
         except rex.RayTaskError as exc:
             raise _unwrap(exc) from None
 
-    async def _replica_stats(self, replica: int) -> dict[str, Any]:
+    def _replica_head(self, replica: int) -> dict[str, Any]:
         slot = self.supervisor.slots[replica]
-        head = {"replica": replica, "alive": self.router.replicas[replica].alive, "state": slot.state,
+        return {"replica": replica, "alive": self.router.replicas[replica].alive, "state": slot.state,
                 "generation": slot.generation,
                 "sessions": self.router.replicas[replica].sessions,
                 "in_flight": self.router.replicas[replica].in_flight}
+
+    async def _replica_stats(self, head: dict[str, Any]) -> dict[str, Any]:
+        replica = head["replica"]
         if head["alive"]:
             try:
                 got = await asyncio.wait_for(self._call(replica, "stats"), self.config.stats_timeout_s)
