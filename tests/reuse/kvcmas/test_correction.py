@@ -25,22 +25,12 @@ def engine():
     eng.close()
 
 
-async def conversation(engine: Engine, turns: int = 3) -> list[dict]:
-    """A shared history grown by exact greedy replies of the three agents."""
-    history = [{"role": "user", "content": TASK}]
-    for agent in list(SYSTEM)[:turns]:
-        out = await engine.generate([{"role": "system", "content": SYSTEM[agent]}] + history, agent=agent,
-                                    sampling=SamplingParams(max_tokens=48), reuse_options=ReuseOptions(reuse="none"))
-        history.append({"role": "user", "content": f"[{agent}] {out.text}"})
-    return history
-
-
 def prompt(agent: str, history: list[dict]) -> list[dict]:
     return [{"role": "system", "content": SYSTEM[agent]}] + history
 
 
-async def test_kvcmas_is_much_closer_to_exact_than_naive(engine):
-    history = await conversation(engine)
+async def test_kvcmas_is_much_closer_to_exact_than_naive(engine, csv_history):
+    history = await csv_history(engine)
     # The leading agent computes the shared segments exactly; the others reuse them.
     for mode in ("naive", "kvcmas"):
         await engine.generate(prompt("planner", history), agent="planner", sampling=FIRST,
@@ -64,8 +54,8 @@ async def test_kvcmas_is_much_closer_to_exact_than_naive(engine):
     assert ours < naive / 3, kls
 
 
-async def test_full_recompute_equals_exact(engine):
-    history = await conversation(engine, turns=2)
+async def test_full_recompute_equals_exact(engine, csv_history):
+    history = await csv_history(engine, turns=2)
     await engine.generate(prompt("planner", history), agent="p1", sampling=FIRST,
                           reuse_options=ReuseOptions(reuse="kvcmas"))
     greedy = SamplingParams(max_tokens=24, return_logits=True)
@@ -80,8 +70,8 @@ async def test_full_recompute_equals_exact(engine):
     assert torch.allclose(full.logits[0], exact.logits[0], atol=2e-3)
 
 
-async def test_corrections_persist_across_turns(engine):
-    history = await conversation(engine, turns=2)
+async def test_corrections_persist_across_turns(engine, csv_history):
+    history = await csv_history(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     await engine.generate(prompt("planner", history), agent="p2", sampling=FIRST, reuse_options=opts)
     first = await engine.generate(prompt("coder", history), agent="c2", sampling=FIRST, reuse_options=opts)
@@ -96,8 +86,8 @@ async def test_corrections_persist_across_turns(engine):
     assert stats["reuse"]["kvcmas"]["correction_bytes_by_agent"]["c2"] > 0
 
 
-async def test_chain_reference_composes(engine):
-    history = await conversation(engine, turns=2)
+async def test_chain_reference_composes(engine, csv_history):
+    history = await csv_history(engine, turns=2)
     engine.set_edges([("p3", "c3"), ("c3", "r3")])
     try:
         opts = ReuseOptions(reuse="kvcmas", reference="chain")
@@ -116,9 +106,9 @@ async def test_chain_reference_composes(engine):
         engine.set_edges([])
 
 
-async def test_kv_returns_to_home_view_baseline(engine):
+async def test_kv_returns_to_home_view_baseline(engine, csv_history):
     import asyncio
-    history = await conversation(engine, turns=1)
+    history = await csv_history(engine, turns=1)
     opts = ReuseOptions(reuse="kvcmas")
     await engine.generate(prompt("planner", history), agent="p4", sampling=FIRST, reuse_options=opts)
     await asyncio.gather(*[engine.generate(prompt(a, history), agent=a + "4", sampling=SamplingParams(max_tokens=8),
@@ -156,8 +146,8 @@ async def test_home_views_pack_their_partial_blocks_and_serve_the_same_kv():
     assert torch.equal(outs[True].logits[0], outs[False].logits[0])
 
 
-async def test_new_text_between_reused_segments(engine):
-    history = await conversation(engine, turns=2)
+async def test_new_text_between_reused_segments(engine, csv_history):
+    history = await csv_history(engine, turns=2)
     await engine.generate(prompt("planner", history), agent="p5", sampling=FIRST,
                           reuse_options=ReuseOptions(reuse="kvcmas"))
     # A message nobody has seen, in the middle: the segments after it are still reused.
@@ -250,7 +240,7 @@ async def test_the_frame_around_a_reused_reply_is_reused_by_later_agents(engine)
         await ours.aclose()
 
 
-async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine):
+async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine, csv_history):
     """Factors keep U in int8 (B in bf16, carrying U's scales) for keys and values ("int8"); value_bits=4
     keeps the values as 4-bit rows instead (one bf16 scale per row, no B_v), key_bits=4 the keys too
     (after per-channel scales, no B_k); "int8_basis" keeps B in int8 too, and the default
@@ -259,7 +249,7 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
     keeps this small correction's rows, in fewer bytes than its factors: in 6 bits (default
     small_row_bits), three quarters of the 8-bit rows' bytes. Each stays far closer to exact than the
     same reuse uncorrected. (Every layer from 1 is stored here: uncorrected_energy=0.)"""
-    history = await conversation(engine, turns=2)
+    history = await csv_history(engine, turns=2)
     opts = ReuseOptions(reuse="kvcmas")
     states, outs = {}, {}
     factors = {"small_rows": False}
@@ -336,10 +326,10 @@ async def test_correction_factors_are_stored_compactly_at_close_fidelity(engine)
         assert off[kind] < off["naive"] / 8, off
 
 
-async def test_the_newest_reused_message_is_recomputed_whole(engine):
+async def test_the_newest_reused_message_is_recomputed_whole(engine, csv_history):
     """With recompute_newest (default), every row of the message right before the tail is recomputed on
     top of recompute_ratio; without it, only the ratio's share of the rows is."""
-    history = await conversation(engine, turns=3)
+    history = await csv_history(engine, turns=3)
     newest = {}
     for on in (True, False):
         eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False, recompute_newest=on,
@@ -357,13 +347,13 @@ async def test_the_newest_reused_message_is_recomputed_whole(engine):
     assert rec_on > rec_off
 
 
-async def test_a_long_newest_message_is_recomputed_whole_only_near_the_tail(engine, monkeypatch):
+async def test_a_long_newest_message_is_recomputed_whole_only_near_the_tail(engine, monkeypatch, csv_history):
     """A newest reused message longer than NEWEST_SPAN (a long code block): only its rows within
     NEWEST_SPAN tokens of the tail are forced; its earlier rows compete by attention mass like older
     history's. The request still lands close to exact."""
     from kvcmas_agents.reuse.kvcmas import correction, select
 
-    history = await conversation(engine, turns=1)
+    history = await csv_history(engine, turns=1)
     code = "\n".join(f"def step_{i}(rows):\n    return [r for r in rows if r.region == 'r{i % 7}' and r.amount > {i}]"
                      for i in range(16))
     history.append({"role": "user", "content": "[coder]\n```python\n" + code + "\n```"})
@@ -392,13 +382,13 @@ async def test_a_long_newest_message_is_recomputed_whole_only_near_the_tail(engi
     assert kl(exact.logits[0], out.logits[0]) < 0.01
 
 
-async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection_queries):
+async def test_a_long_own_tail_selects_rows_by_its_last_tokens(engine, selection_queries, csv_history):
     """A later agent whose own tail is a long new message (a tool's output): the selection pass runs
     only the prompt's last SELECT_MAX tokens, not a second pass over the whole tail, and the request
     still corrects its reused rows close to exact."""
     from kvcmas_agents.reuse.kvcmas import select
 
-    history = await conversation(engine, turns=2)
+    history = await csv_history(engine, turns=2)
     # Shared notes long enough that the pass spares more rows than its SELECT_MAX queries cost.
     notes = "\n".join(f"Note {i}: table t{i % 9} keeps column c{i} as {('int', 'text', 'date')[i % 3]}, "
                       f"indexed when {i} is even." for i in range(40))
@@ -462,11 +452,11 @@ async def coder_turns(exact_engine: Engine, history: list[dict], later: list[dic
         eng.close()
 
 
-async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine):
+async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine, csv_history):
     """correction_energy < 1 (0.95 here; the default 1.0 keeps every row) stores the strongest
     recomputed rows only; the rest are dropped and counted, recomputed_tokens still says what was
     recomputed, and an agent reusing its stored corrections next turn stays much closer to exact."""
-    history = await conversation(engine, turns=2)
+    history = await csv_history(engine, turns=2)
     later = history + [{"role": "user", "content": "[reviewer] Please also handle quoted fields."}]
     assert EngineConfig().kvcmas.storage.correction_energy == 1.0
     default = 0.95
@@ -484,12 +474,12 @@ async def test_faint_rows_are_not_stored_but_still_counted_as_recomputed(engine)
         EngineConfig(methods={"kvcmas": KVCMASConfig(storage=StorageSpec(correction_energy=0.0))})
 
 
-async def test_faint_leading_layers_are_not_stored_and_are_counted(engine):
+async def test_faint_leading_layers_are_not_stored_and_are_counted(engine, csv_history):
     """uncorrected_energy > 0 (default 0.01) leaves out the leading layers that hold that share of a
     request's deviation (keys and values each): its states start at a later layer, in fewer bytes,
     the layers are counted in the stats, recomputed_tokens is unchanged, and the turn stays close to
     exact."""
-    history = await conversation(engine, turns=2)
+    history = await csv_history(engine, turns=2)
     later = history + [{"role": "user", "content": "[reviewer] Please also handle quoted fields."}]
     default = EngineConfig().kvcmas.storage.uncorrected_energy
     assert default == 0.01
@@ -544,14 +534,14 @@ async def test_concurrent_siblings_compute_their_shared_new_text_and_prefill_tog
         await engine.aclose()
 
 
-async def test_an_agents_tool_loop_reads_its_own_earlier_turns_exactly(engine):
+async def test_an_agents_tool_loop_reads_its_own_earlier_turns_exactly(engine, csv_history):
     """A ReAct loop: an agent's next turn is its previous prompt, its reply and a tool result. The
     generation prompt and the reply decoded from it are one exact home, and once the reply's trailer
     is computed the whole message is; so the next turn computes only the new text, with no correction
     or recompute pass over the view."""
     ours = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch=False)}))
     try:
-        history = await conversation(engine, turns=2)
+        history = await csv_history(engine, turns=2)
         messages = prompt("reviewer", history)
         out = await ours.generate(prompt("planner", history), agent="planner", sampling=FIRST)
         outs = []

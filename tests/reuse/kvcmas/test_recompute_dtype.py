@@ -6,30 +6,14 @@ import pytest
 import torch
 
 from kvcmas_agents import Engine, EngineConfig, KVCMASConfig, SamplingParams
-from kvcmas_agents.fidelity import CSV_SYSTEM, CSV_TASK, kl
+from kvcmas_agents.fidelity import CSV_SYSTEM, kl
 from kvcmas_agents.reuse.kvcmas.correction import products_dtype
 
 FIRST = SamplingParams(max_tokens=1, return_logits=True)
 
 
-@pytest.fixture(scope="module")
-def engine():
-    eng = Engine(EngineConfig(reuse="none"))
-    yield eng
-    eng.close()
-
-
 def prompt(agent: str, history: list[dict]) -> list[dict]:
     return [{"role": "system", "content": CSV_SYSTEM[agent]}] + history
-
-
-async def conversation(engine: Engine, turns: int = 3) -> list[dict]:
-    """The task, then exact greedy replies of the first ``turns`` agents."""
-    history = [{"role": "user", "content": CSV_TASK}]
-    for agent in list(CSV_SYSTEM)[:turns]:
-        out = await engine.generate(prompt(agent, history), agent=agent, sampling=SamplingParams(max_tokens=48))
-        history.append({"role": "user", "content": f"[{agent}] {out.text}"})
-    return history
 
 
 def test_recompute_dtype_is_checked_and_auto_resolves_by_the_hardware():
@@ -47,9 +31,10 @@ def test_recompute_dtype_is_checked_and_auto_resolves_by_the_hardware():
     assert products_dtype("auto", Model) == torch.bfloat16 == products_dtype("model", Model)
 
 
-async def test_bf16_recompute_is_as_close_to_exact_as_fp32_and_the_stats_say_which_ran(engine):
-    history = await conversation(engine)
-    kls, recomputed = {}, {}
+async def test_bf16_recompute_is_as_close_to_exact_as_fp32_and_the_stats_say_which_ran(engine_none, csv_history):
+    engine = engine_none
+    history = await csv_history(engine)
+    kls = {}
     for dtype in ("model", "bfloat16"):
         eng = Engine(EngineConfig(reuse="kvcmas", methods={"kvcmas": KVCMASConfig(prefetch="off",
                                                                                   recompute_dtype=dtype)}))
@@ -60,7 +45,6 @@ async def test_bf16_recompute_is_as_close_to_exact_as_fp32_and_the_stats_say_whi
                 exact = await engine.generate(prompt(agent, history), agent=agent + "-exact", sampling=FIRST)
                 out = await eng.generate(prompt(agent, history), agent=agent, sampling=FIRST)
                 assert 0 < out.usage.recomputed_tokens < out.usage.reused_tokens
-                recomputed.setdefault(dtype, []).append(out.usage.recomputed_tokens)
                 kls[dtype].append(kl(exact.logits[0], out.logits[0]))
             assert eng.stats()["reuse"]["kvcmas"]["recompute_products"] == {"model": "float32"}.get(dtype, dtype)
         finally:
@@ -70,8 +54,9 @@ async def test_bf16_recompute_is_as_close_to_exact_as_fp32_and_the_stats_say_whi
     assert sum(kls["bfloat16"]) < 2 * sum(kls["model"]) + 1e-3, kls
 
 
-async def test_a_full_recompute_stays_exact_in_bf16_products(engine):
-    history = await conversation(engine, turns=2)
+async def test_a_full_recompute_stays_exact_in_bf16_products(engine_none, csv_history):
+    engine = engine_none
+    history = await csv_history(engine, turns=2)
     greedy = SamplingParams(max_tokens=16, return_logits=True)
     eng = Engine(EngineConfig(reuse="kvcmas",
                               methods={"kvcmas": KVCMASConfig(prefetch="off", recompute_dtype="bfloat16",
