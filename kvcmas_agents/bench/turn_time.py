@@ -88,7 +88,7 @@ def variants_of(args: argparse.Namespace) -> dict[str, tuple[str, KVCMASConfig]]
         variants[name] = ("kvcmas", KVCMASConfig(**knobs))
         if args.no_newest:
             variants[f"{name}-no-newest"] = ("kvcmas", KVCMASConfig(recompute_newest=False, **knobs))
-        if getattr(args, "bf16", False):
+        if args.bf16:
             variants[f"{name}-bf16"] = ("kvcmas", KVCMASConfig(recompute_dtype="bfloat16", **knobs))
     return variants
 

@@ -8,8 +8,8 @@ from ..storage.spec import StorageSpec
 
 PREFETCH: tuple[str, ...] = ("off", "idle", "decode")
 DECODE_COPY: tuple[str, ...] = ("off", "auto")
-DECODE_COPY_MIN = 16
-RECOMPUTE_DTYPES: tuple[str, ...] = ("model", "bfloat16", "auto")        # decode tokens from which "auto" copies a request's view
+DECODE_COPY_MIN = 16        # decode tokens from which "auto" copies a request's view
+RECOMPUTE_DTYPES: tuple[str, ...] = ("model", "bfloat16", "auto")
 
 
 @dataclass
