@@ -209,8 +209,8 @@ class Scheduler:
                 try:
                     self.blocks.ensure(req, len(req.prompt_ids))
                     with req.timings.phase("correct"):
-                        end = method.prepare(req)
-                    req.num_computed = req.reuse_end if end is None else end
+                        method.prepare(req)
+                    req.num_computed = req.reuse_end
                 except Exception as exc:
                     error = self.fall_back(req, "correction", exc)
                     if error is not None:

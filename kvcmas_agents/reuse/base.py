@@ -120,11 +120,8 @@ class ReuseMethod:
         """Whether ``prepare`` has work to do for this request (not just bookkeeping)."""
         return False
 
-    def prepare(self, req: ReuseRequest) -> int | None:
-        """Make the plan's reused span [own_prefix_end, reuse_end) usable; the engine then counts it as
-        computed. A method that also computed the own tail's KV in the same pass returns where the
-        computed prompt now ends (short of its last token, which the engine's step computes for the
-        logits); None: reuse_end."""
+    def prepare(self, req: ReuseRequest) -> None:
+        """Make the plan's reused span [own_prefix_end, reuse_end) usable; the engine then counts it as computed."""
 
     def view(self, req: ReuseRequest, end: int) -> Any:
         """The attention view of the request's context [0, end), or None for its plain paged KV."""

@@ -155,27 +155,20 @@ class CrossAgentMethod(ReuseMethod):
         return RequestView(req, self.ctx, st, partial(self.recompute_over_view, req, st), select_from)
 
     def recompute_over_view(self, req: ReuseRequest, st: CrossAgentState, rows: dict[int, torch.Tensor],
-                            on_layer: LayerHook | None = None, tail_end: int = 0) -> dict[int, slice]:
+                            on_layer: LayerHook | None = None) -> dict[int, slice]:
         """Recompute ``rows`` (local to each piece, by the piece's id) layer by layer over the request's
-        view of [0, reuse_end), and with them the own tail's tokens [reuse_end, tail_end) where tail_end
-        is past reuse_end. New text's and the tail's KV is written to the request's own blocks;
-        ``on_layer`` sees every recomputed row's old (view) and new KV at each layer, the pieces' rows at
-        the slices returned, in position order (the tail's rows after them all)."""
+        view of [0, reuse_end). New text's KV is written to the request's own blocks; ``on_layer`` sees
+        every recomputed row's old (view) and new KV at each layer, the pieces' rows at the slices
+        returned, in position order."""
         ctx, dev = self.ctx, self.ctx.device
         order = [p for p in st.pieces if id(p) in rows]                        # position order
         spans = row_spans(st.pieces, rows)
-        b = st.reuse_end
-        tail = torch.arange(b, max(b, tail_end), device=dev)
-        positions = torch.cat([p.start + rows[id(p)].to(dev) for p in order] + [tail])
+        positions = torch.cat([p.start + rows[id(p)].to(dev) for p in order])
         new = [(ctx.store.slots(req.blocks, p.start, p.end), spans[id(p)]) for p in order if p.home is None]
-        if tail.numel():
-            n = positions.numel()
-            new.append((ctx.store.slots(req.blocks, b, tail_end), slice(n - tail.numel(), n)))
-        view = build_gathered(attention_pieces(req, st, ctx, max(b, tail_end)), ctx.realigner, dev,
-                              ctx.store.k.dtype)
+        view = build_gathered(attention_pieces(req, st, ctx, st.reuse_end), ctx.realigner, dev, ctx.store.k.dtype)
 
         def hook(layer, pos, k_old, v_old, k_new, v_new):
-            for slots, span in new:                         # new text and the tail: exact, kept in own blocks
+            for slots, span in new:                         # new text: exact, kept in own blocks
                 ctx.store.write(layer, slots, k_new[span], v_new[span])
             if on_layer is not None:
                 on_layer(layer, pos, k_old, v_old, k_new, v_new)

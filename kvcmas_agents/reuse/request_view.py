@@ -18,9 +18,8 @@ from .recompute import LayerHook
 from .views.reference import OwnPiece, SegmentPiece
 
 ViewPiece = Union[OwnPiece, SegmentPiece]
-# recompute(rows by piece id, on_layer, tail_end=0) -> each piece's rows among all recomputed ones
-# (RequestView.recompute)
-Recompute = Callable[..., dict[int, slice]]
+# recompute(rows by piece id, on_layer) -> each piece's rows among all recomputed ones (RequestView.recompute)
+Recompute = Callable[[dict[int, torch.Tensor], "LayerHook | None"], dict[int, slice]]
 
 
 @dataclass
@@ -84,10 +83,9 @@ def row_spans(pieces: list[ReusePiece], rows: dict[int, torch.Tensor]) -> dict[i
 class RequestView:
     """A request, its plan (``state``), the context it runs in, and its method's recompute loop.
 
-    recompute(rows, on_layer, tail_end=0): recompute ``rows`` (local to each piece, by the piece's id)
-    layer by layer over the request's view of [0, reuse_end), and the own tail [reuse_end, tail_end)
-    with them; ``on_layer`` sees each layer's old and new KV of the rows, the pieces' at the returned
-    slices (``row_spans``), the tail's after them. select_from: where the selection pass's
+    recompute(rows, on_layer): recompute ``rows`` (local to each piece, by the piece's id) layer by
+    layer over the request's view of [0, reuse_end); ``on_layer`` sees each layer's old and new KV of
+    the rows, which sit at the returned slices (``row_spans``). select_from: where the selection pass's
     queries start (an ahead-of-time correction's stand-in tail; None: reuse_end).
     """
 

@@ -30,12 +30,6 @@ from .select import select_rows
 # rounding of the model's RoPE tables against the realigner's rotation: states do not store it. A
 # recompute ratio of 1.0 keeps every layer, so that it stays exact.
 UNCORRECTED_LAYERS = 1
-# A turn-time correction also computes the own tail's KV, up to its last token, in its recompute pass
-# when the tail is at most this long: one pass over the view instead of two (the tail's own forward
-# over the view costs about twice a prefilled token's), and the tail reads its context's recomputed
-# rows as computed, not as their stored low-rank form. A longer tail (a tool's output, a pasted
-# document) is prefilled in the engine's chunks, as any prompt is, so other requests keep stepping.
-FUSED_TAIL_MAX = 512
 
 
 def products_dtype(setting: str, model) -> torch.dtype:
@@ -58,18 +52,15 @@ class Corrector:
         self.rows_dropped = 0          # recomputed rows whose deviation was too faint to store
         self.selections_capped = 0     # selection passes cut to the prompt's last SELECT_MAX tokens
         self.selections_skipped = 0    # passes not run: they would have spared fewer rows than they cost
-        self.tail_tokens = 0           # own-tail tokens computed in the recompute pass (``fused_tail``)
 
     @torch.inference_mode()
-    def correct(self, view: RequestView) -> int | None:
-        """Correct the request's pending pieces and compute its new text (``view``: its plan). Returns
-        where the request's computed prompt ends when the recompute pass took its own tail too
-        (``fused_tail``), else None."""
+    def correct(self, view: RequestView) -> None:
+        """Correct the request's pending pieces and compute its new text (``view``: its plan)."""
         req = view.req
         pending = [p for p in view.pieces if p.pending and p.home is not None]
         new = [p for p in view.pieces if p.home is None]
         if not (pending or new):
-            return None
+            return
         for p in pending:
             p.chain = self._reference_chain(req, p)
         rows: list[torch.Tensor] = []
@@ -80,16 +71,7 @@ class Corrector:
                     rows, how = select_rows(view, pending, self.newest_whole)
                 self.selections_capped += how == "capped"
                 self.selections_skipped += how == "skipped"
-            return self._recompute(view, pending, rows, new)
-
-    def fused_tail(self, view: RequestView) -> int:
-        """Where the own tail the recompute pass computes ends (0: none). Only at turn time (an
-        ahead-of-time correction has no real tail), in the model's dtype (bf16 products leave the own
-        tail's prefill as it was), and up to the prompt's last token, whose step gives the logits."""
-        n, b = len(view.req.prompt_ids), view.reuse_end
-        if view.select_from is not None or self.products != self.ctx.model.dtype or not 0 < n - 1 - b <= FUSED_TAIL_MAX:
-            return 0
-        return n - 1
+            self._recompute(view, pending, rows, new)
 
     def _reference_chain(self, req: ReuseRequest, piece: ReusePiece) -> list[LowRankDelta]:
         if req.options.reference != "chain":
@@ -101,10 +83,9 @@ class Corrector:
         return []
 
     def _recompute(self, view: RequestView, pending: list[ReusePiece], rows: list[torch.Tensor],
-                   new: list[ReusePiece]) -> int | None:
-        """Recompute the selected rows of pending pieces and every row of new spans (and the own tail,
-        ``fused_tail``); compress and store the pending pieces' deviations. Returns the computed end
-        when the tail was computed."""
+                   new: list[ReusePiece]) -> None:
+        """Recompute the selected rows of pending pieces and every row of new spans; compress and store
+        the pending pieces' deviations."""
         req, m = view.req, self.ctx.model
         sel = {id(p): r for p, r in zip(pending, rows)}
         sel.update({id(p): torch.arange(p.end - p.start) for p in new})
@@ -112,7 +93,7 @@ class Corrector:
             for p in pending:
                 self._store(req, p, LowRankDelta.empty(m.args.num_layers, m.args.num_kv_heads, m.args.head_dim,
                                                         m.dtype, m.device), 0)
-            return None
+            return
         spans = view.row_spans(sel)
         dks: dict[int, list] = {id(p): [] for p in pending}
         dvs: dict[int, list] = {id(p): [] for p in pending}
@@ -123,15 +104,12 @@ class Corrector:
                 dks[id(p)].append((k_new[s] - k_old[s]).permute(1, 0, 2))
                 dvs[id(p)].append((v_new[s] - v_old[s]).permute(1, 0, 2))
 
-        tail_end = self.fused_tail(view)
-        view.recompute(sel, capture, tail_end=tail_end)
-        self.tail_tokens += max(0, tail_end - view.reuse_end)
+        view.recompute(sel, capture)
         for p in new:
             p.pending = False
         if pending:
             with req.timings.phase("compress"):
                 self._compress(req, pending, rows, dks, dvs)
-        return tail_end or None
 
     def _compress(self, req: ReuseRequest, pending: list[ReusePiece], rows: list[torch.Tensor],
                   dks: dict[int, list], dvs: dict[int, list]) -> None:

@@ -53,13 +53,12 @@ class KVCMAS(CrossAgentMethod):
                 p.correction = None
         super()._let_go(st)
 
-    def prepare(self, req: ReuseRequest) -> int | None:
-        return self.correct(self.request_view(req))
+    def prepare(self, req: ReuseRequest) -> None:
+        self.correct(self.request_view(req))
 
-    def correct(self, view: RequestView) -> int | None:
-        """Correct a request's pending pieces as its view lays them out (inline, or ahead of time);
-        where its computed prompt ends when the own tail was computed with them."""
-        return self.corrector.correct(view)
+    def correct(self, view: RequestView) -> None:
+        """Correct a request's pending pieces as its view lays them out (inline, or ahead of time)."""
+        self.corrector.correct(view)
 
     def on_computed(self, req: ReuseRequest) -> None:
         st = self.states.get(req)
@@ -111,7 +110,6 @@ class KVCMAS(CrossAgentMethod):
             "recompute_products": str(c.products).removeprefix("torch."),
             "rows_dropped": c.rows_dropped, "layers_dropped": c.layers_dropped,
             "selections_capped": c.selections_capped, "selections_skipped": c.selections_skipped,
-            "fused_tail_tokens": c.tail_tokens,
             "decode_copies": self.decode_copies, "decode_copy_blocks": self.decode_copy_blocks,
             "kept_code_bytes": self.kept_code_bytes(),
             "prefetch": asdict(self.prefetcher.stats) if self.prefetcher is not None else None,

@@ -76,7 +76,7 @@ class Prefetcher:
     """
 
     def __init__(self, ctx: ReuseContext, plan: Callable[[ReuseRequest], ReusePlan],
-                 view_of: Callable[[ReuseRequest, int], RequestView], correct: Callable[[RequestView], int | None],
+                 view_of: Callable[[ReuseRequest, int], RequestView], correct: Callable[[RequestView], None],
                  release: Callable[[ReuseRequest], None], ratio: float = 0.0):
         self.ctx, self.plan, self.view_of, self.correct, self.release = ctx, plan, view_of, correct, release
         self._prefixes: dict[str, _Prefix] = {}
