@@ -43,6 +43,29 @@ class PagedAttention:
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.store.write(layer, self.write_slots, k, v)
+        return self._attend(layer, q)
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+                   ) -> torch.Tensor | None:
+        """A decode-sized step's layer from the fused product's unrotated rows [T, (H + 2 KVH) * D]: RoPE
+        and the KV write in one call of the compiled loops, and with them a lone sequence's plain
+        attention (``switches.rope_write``); None where they do not serve (``LlamaModel.layer`` then
+        rotates in torch and calls the backend)."""
+        kc, vc = self.store.k[layer], self.store.v[layer]
+        if not (SWITCHES.rope_write and cpu_view.rope_write_usable(qkv, cos, kc, self.write_slots)
+                and sin_signed.is_contiguous()):
+            return None
+        n, kvh, dim = qkv.shape[0], kc.shape[1], kc.shape[2]
+        heads = qkv.shape[1] // dim - 2 * kvh
+        s = self.slices[0]
+        plain = (len(self.slices) == 1 and s.view is None and SWITCHES.plain_loops and n <= SMALL_QUERY
+                 and heads // kvh * n <= cpu_view.MAX_ROWS)
+        q, out = cpu_view.rope_write(qkv, cos, sin_signed, kc, vc, self.write_slots, heads,
+                                     s.gather if plain else None, self.scale)
+        return ungroup(out, n) if plain else self._attend(layer, q)
+
+    def _attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """Each sequence's attention over its context, the step's KV already written."""
         if len(self.slices) == 1:
             return self._one(layer, self.slices[0], q)
         out = torch.empty_like(q)

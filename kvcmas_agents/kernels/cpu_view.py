@@ -15,7 +15,7 @@ import torch
 from .cbuild import CLibrary
 
 SOURCE = Path(__file__).with_name("cpu_view.c")
-SOURCES = (SOURCE, SOURCE.with_name("cpu_view_lowrank.c"))      # and cpu_view.h beside them
+SOURCES = (SOURCE, SOURCE.with_name("cpu_view_lowrank.c"), SOURCE.with_name("cpu_decode.c"))  # and cpu_view.h
 MAX_RANK = 256              # the C loops read one U row into a stack buffer of this size,
 MAX_ROWS = 64               # and blocks of rows' products with G * n <= MAX_ROWS query rows into others
 
@@ -28,6 +28,7 @@ _SIGNATURES = {
     "vd_basis_queries": [_I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P],
     "vd_basis_values": [_I, _I, _I, _I, _I, _P, _I, _P, _P, _P],
     "vd_view_attention": [_I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _F, _I, _P, _P, _I],
+    "vd_rope_write_attend": [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _F, _P, _P, _I],
     "vd_wide_loops": [],
 }
 _KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
@@ -217,3 +218,28 @@ def view_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                              _ptr(key_class), classes, _ptr(q_cos), _ptr(q_sin), scale, len(tables), _ptr(table),
                              _ptr(out), threads())
     return out
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, write_slots: torch.Tensor, heads: int, slots: torch.Tensor | None = None,
+               scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decode step's start of attention in one call: the fused q/k/v product's rows ``qkv`` [n, (H + 2
+    KVH) * D] rotated in place (cos and signed sin [n, 1, D], bitwise ``rope.rotate_``), k and v written
+    to the caches at ``write_slots``; returns q [n, H, D] and, given the context's ``slots``, its plain
+    attention over them [KVH, G*n, D] (as ``attention``), else None."""
+    n, kvh, dim = qkv.shape[0], k_cache.shape[1], k_cache.shape[2]
+    q = qkv.new_empty(n, heads, dim)
+    out = None if slots is None else qkv.new_empty(kvh, heads // kvh * n, dim)
+    load().vd_rope_write_attend(n, heads, kvh, dim, _ptr(qkv), _ptr(cos), _ptr(sin_signed), _ptr(k_cache),
+                                _ptr(v_cache), _ptr(write_slots), 0 if slots is None else slots.numel(), _ptr(slots),
+                                scale, _ptr(q), _ptr(out), threads())
+    return q, out
+
+
+def rope_write_usable(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, write_slots: torch.Tensor) -> bool:
+    """Whether ``rope_write`` serves these rows: CPU fp32 contiguous rows, one write slot (int64) a row,
+    a cache of the same dtype, and the library built here."""
+    return (qkv.device.type == "cpu" and qkv.dtype == k_cache.dtype == cos.dtype == torch.float32
+            and qkv.is_contiguous() and cos.is_contiguous() and k_cache.is_contiguous()
+            and write_slots.dtype == torch.int64 and write_slots.numel() == qkv.shape[0]
+            and write_slots.is_contiguous() and k_cache.shape[-1] <= MAX_RANK and load() is not None)

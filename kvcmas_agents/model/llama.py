@@ -25,6 +25,10 @@ class AttentionBackend(Protocol):
         """q [T, H, D], k/v [T, KVH, D] for the step's new tokens -> attention output [T, H, D]."""
         ...
 
+    # A backend may also have ``attend_qkv(layer, qkv, cos, sin_signed) -> [T, H, D] | None``: the fused
+    # product's unrotated rows [T, (H + 2 KVH) * D] and their RoPE rows, rotated, stored and attended in
+    # one call (``engine.paged_attention``); None, with qkv untouched, where it does not serve them.
+
 
 # fp32 projections of 1-4 rows on CPU (decode steps) run as ``w @ x.T`` rather than ``F.linear(x, w)``:
 # the same product through PyTorch's matrix-matrix path, measured 1.2-2.3x faster at 2-4 rows; from 5
@@ -148,23 +152,34 @@ class LlamaModel:
     def qkv(self, layer: int, h: torch.Tensor, positions: torch.Tensor):
         """Pre-norm and project hidden states h [T, hidden]; returns rotated q, k and plain v."""
         a, lw = self.args, self._layers[layer]
-        t = h.shape[0]
         cos, sin, sin_signed = self._rope_of(positions)
-        fused = lw.get("qkv")
-        if fused is not None and fused.serves(h):
-            # Normed and projected in one call; q and k side by side in one fresh tensor, rotated together
-            # in place (bitwise as ``rotate``).
-            heads = a.num_heads + a.num_kv_heads
-            out = fused.product(h, lw["in_norm"], a.rms_norm_eps)
-            qk = rotate_(out[:, :heads * a.head_dim].view(t, heads, a.head_dim), cos, sin_signed)
-            q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
-            v = out[:, heads * a.head_dim:].view(t, a.num_kv_heads, a.head_dim)
-            return (q, k, v) if t == 1 else (q.contiguous(), k.contiguous(), v.contiguous())
+        out = self._fused_qkv(layer, h)
+        if out is not None:
+            return self._split_rotate(out, cos, sin_signed)
+        t = h.shape[0]
         x = rms_norm(h, lw["in_norm"], a.rms_norm_eps)
         q = self._linear(x, lw["q"], lw["q_b"]).view(t, a.num_heads, a.head_dim)
         k = self._linear(x, lw["k"], lw["k_b"]).view(t, a.num_kv_heads, a.head_dim)
         v = self._linear(x, lw["v"], lw["v_b"]).view(t, a.num_kv_heads, a.head_dim)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def _fused_qkv(self, layer: int, h: torch.Tensor) -> torch.Tensor | None:
+        """q, k and v of a decode-sized step normed and projected in one call from the blocks, unrotated
+        [T, (H + 2 KVH) * D]; None where the blocks do not serve h."""
+        fused = self._layers[layer].get("qkv")
+        if fused is None or not fused.serves(h):
+            return None
+        return fused.product(h, self._layers[layer]["in_norm"], self.args.rms_norm_eps)
+
+    def _split_rotate(self, out: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor):
+        """q, k and v of the fused product's rows, q and k side by side rotated together in place (bitwise
+        as ``rotate``)."""
+        a, t = self.args, out.shape[0]
+        heads = a.num_heads + a.num_kv_heads
+        qk = rotate_(out[:, :heads * a.head_dim].view(t, heads, a.head_dim), cos, sin_signed)
+        q, k = qk[:, :a.num_heads], qk[:, a.num_heads:]
+        v = out[:, heads * a.head_dim:].view(t, a.num_kv_heads, a.head_dim)
+        return (q, k, v) if t == 1 else (q.contiguous(), k.contiguous(), v.contiguous())
 
     def _rope_of(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cos, sin and signed sin rows [T, 1, D] of ``positions``, gathered once for all layers of a step."""
@@ -191,6 +206,13 @@ class LlamaModel:
         return h + self._linear(act, lw["down"])
 
     def layer(self, layer: int, h: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        fused = getattr(attn, "attend_qkv", None)
+        if fused is not None and (out := self._fused_qkv(layer, h)) is not None:
+            cos, _, sin_signed = self._rope_of(positions)
+            o = fused(layer, out, cos, sin_signed)
+            if o is not None:
+                return self.finish_layer(layer, h, o)
+            return self.finish_layer(layer, h, attn(layer, *self._split_rotate(out, cos, sin_signed)))
         q, k, v = self.qkv(layer, h, positions)
         return self.finish_layer(layer, h, attn(layer, q, k, v))
 
