@@ -60,6 +60,11 @@ class PagedAttention:
         s = self.slices[0]
         plain = (len(self.slices) == 1 and s.view is None and SWITCHES.plain_loops and n <= SMALL_QUERY
                  and heads // kvh * n <= cpu_view.MAX_ROWS)
+        view_call = getattr(s.view, "compiled_call", None) if len(self.slices) == 1 else None
+        call = view_call(n, heads, qkv, kc, layer) if view_call is not None else None
+        if call is not None:                  # a corrected view's attention in the same call
+            return ungroup(cpu_view.rope_write_view(qkv, cos, sin_signed, kc, vc, self.write_slots, heads, call,
+                                                    self.scale), n)
         q, out = cpu_view.rope_write(qkv, cos, sin_signed, kc, vc, self.write_slots, heads,
                                      s.gather if plain else None, self.scale)
         return ungroup(out, n) if plain else self._attend(layer, q)

@@ -46,3 +46,14 @@ void vd_rope_write_attend(int n, int heads, int kvh, int d, float *qkv, const fl
     free(scores);
     free(qr);
 }
+
+/* The same start, then a decode step's attention over a corrected view (``vd_view_attention``: keys
+   realigned by class, each stack's low-rank terms from ``table``) instead of plain attention. */
+void vd_rope_write_view(int n, int heads, int kvh, int d, float *qkv, const float *cos, const float *ssin,
+                        float *kc, float *vc, const int64_t *wslots, int ctx, const int64_t *slots,
+                        const int64_t *key_class, int classes, const float *qcos, const float *qsin, float scale,
+                        int nst, const int64_t *table, float *q_out, float *out, int threads) {
+    vd_rope_write_attend(n, heads, kvh, d, qkv, cos, ssin, kc, vc, wslots, 0, NULL, scale, q_out, NULL, threads);
+    vd_view_attention(n, kvh, heads / kvh, d, q_out, kc, vc, ctx, slots, key_class, classes, qcos, qsin, scale,
+                      nst, table, out, threads);
+}

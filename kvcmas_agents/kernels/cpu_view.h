@@ -1,4 +1,4 @@
-/* What cpu_view.c and cpu_view_lowrank.c share: includes, sizes, small math, the loops' entry points. */
+/* What cpu_view.c, cpu_view_lowrank.c and cpu_decode.c share: includes, sizes, small math, entry points. */
 #ifndef KVCMAS_CPU_VIEW_H
 #define KVCMAS_CPU_VIEW_H
 #include <math.h>
@@ -41,7 +41,8 @@ static inline float dot(const float *a, const float *b, int d) {
     return acc;
 }
 
-/* Shared by the two sources (cpu_view.c: scores, softmax, the one-call view attention;
+/* Shared by the sources (cpu_view.c: scores, softmax, the one-call view attention; cpu_decode.c: a decode
+   step's RoPE, KV write and attention in one call;
    cpu_view_lowrank.c: the low-rank terms and bases). */
 void vd_scores(int n, int kvh, int g, int d, const float *q, const float *kc, int ctx, const int64_t *slots,
                const int64_t *key_class, int classes, const float *qcos, const float *qsin, float *qr,
@@ -56,6 +57,9 @@ void vd_lowrank_values(int kvh, int gn, int ctx, const float *probs, int nrows, 
                        const float *chan, const int32_t *state, int states, float *pu, int threads);
 void vd_basis_queries(int nb, int kvh, int gn, int r, int d, const float *qg, int kind, const int64_t *b,
                       const int64_t *scale, const int64_t *cos, const int64_t *sin, float *qb);
+void vd_view_attention(int n, int kvh, int g, int d, const float *q, const float *kc, const float *vc, int ctx,
+                       const int64_t *slots, const int64_t *key_class, int classes, const float *qcos,
+                       const float *qsin, float scale, int nst, const int64_t *table, float *out, int threads);
 void vd_basis_values(int nb, int kvh, int gn, int r, int d, const float *pu, int kind, const int64_t *b,
                      const int64_t *scale, float *out);
 

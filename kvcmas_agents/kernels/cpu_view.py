@@ -29,6 +29,7 @@ _SIGNATURES = {
     "vd_basis_values": [_I, _I, _I, _I, _I, _P, _I, _P, _P, _P],
     "vd_view_attention": [_I, _I, _I, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _F, _I, _P, _P, _I],
     "vd_rope_write_attend": [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _F, _P, _P, _I],
+    "vd_rope_write_view": [_I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _P, _F, _I, _P, _P, _P, _I],
     "vd_wide_loops": [],
 }
 _KINDS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
@@ -108,9 +109,13 @@ class Coeffs:
 def usable(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether the loops can serve q [n, H, D] over this cache: CPU, fp32, sizes within their buffers,
     and built here."""
-    return (q.device.type == "cpu" and q.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous()
-            and q.shape[-1] <= MAX_RANK and q.shape[1] // k_cache.shape[1] * q.shape[0] <= MAX_ROWS
-            and load() is not None)
+    return usable_rows(q.shape[0], q.shape[1], q.shape[-1], q, k_cache)
+
+
+def usable_rows(n: int, heads: int, dim: int, like: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """``usable`` for n queries of ``heads`` heads of ``dim``, on ``like``'s device and dtype."""
+    return (like.device.type == "cpu" and like.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous()
+            and dim <= MAX_RANK and heads // k_cache.shape[1] * n <= MAX_ROWS and load() is not None)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -203,6 +208,13 @@ def stack_table(rows: torch.Tensor, group: torch.Tensor, groups: int, keys: Coef
                          *side(keys, key_bases, True), *side(values, value_bases, False)], dtype=torch.int64)
 
 
+def joined_tables(tables: list[torch.Tensor]) -> torch.Tensor:
+    """Stacks' tables (``stack_table``) as one [nst * fields] table for the C side."""
+    if len(tables) == 1:
+        return tables[0]
+    return torch.cat(tables) if tables else torch.zeros(1, dtype=torch.int64)
+
+
 def view_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                    key_class: torch.Tensor | None, q_cos: torch.Tensor | None, q_sin: torch.Tensor | None,
                    scale: float, tables: list[torch.Tensor]) -> torch.Tensor:
@@ -212,7 +224,7 @@ def view_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     n, heads, dim = q.shape
     kvh, ctx = k_cache.shape[1], slots.numel()
     classes = 0 if key_class is None else q_cos.shape[0]
-    table = torch.cat(tables) if tables else torch.zeros(1, dtype=torch.int64)
+    table = joined_tables(tables)
     out = q.new_empty(kvh, heads // kvh * n, dim)
     load().vd_view_attention(n, kvh, heads // kvh, dim, _ptr(q), _ptr(k_cache), _ptr(v_cache), ctx, _ptr(slots),
                              _ptr(key_class), classes, _ptr(q_cos), _ptr(q_sin), scale, len(tables), _ptr(table),
@@ -234,6 +246,24 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k
                                 _ptr(v_cache), _ptr(write_slots), 0 if slots is None else slots.numel(), _ptr(slots),
                                 scale, _ptr(q), _ptr(out), threads())
     return q, out
+
+
+def rope_write_view(qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, write_slots: torch.Tensor, heads: int, call: tuple, scale: float
+                    ) -> torch.Tensor:
+    """``rope_write``, then the step's attention over a corrected view as ``view_attention`` computes it,
+    in the same call; ``call`` is (slots, key_class, q_cos, q_sin, tables, held) as
+    ``reuse.views.compiled.one_call`` gives it. The output [KVH, G*n, D]."""
+    n, kvh, dim = qkv.shape[0], k_cache.shape[1], k_cache.shape[2]
+    slots, key_class, q_cos, q_sin, tables, _ = call
+    table, stacks = joined_tables(tables), len(tables)
+    q = qkv.new_empty(n, heads, dim)
+    out = qkv.new_empty(kvh, heads // kvh * n, dim)
+    classes = 0 if key_class is None else q_cos.shape[0]
+    load().vd_rope_write_view(n, heads, kvh, dim, _ptr(qkv), _ptr(cos), _ptr(sin_signed), _ptr(k_cache),
+                              _ptr(v_cache), _ptr(write_slots), slots.numel(), _ptr(slots), _ptr(key_class), classes,
+                              _ptr(q_cos), _ptr(q_sin), scale, stacks, _ptr(table), _ptr(q), _ptr(out), threads())
+    return out
 
 
 def rope_write_usable(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, write_slots: torch.Tensor) -> bool:

@@ -22,11 +22,30 @@ from .layout import GatheredLayout, Stack
 
 def _compiled(q: torch.Tensor, view: GatheredLayout, k_cache: torch.Tensor) -> bool:
     """Whether the compiled CPU loops can serve this attention."""
-    if not (SWITCHES.compiled_views and cpu_view.usable(q, k_cache)):
+    return _compiled_rows(q.shape[0], q.shape[1], q, view, k_cache)
+
+
+def _compiled_rows(n: int, heads: int, like: torch.Tensor, view: GatheredLayout, k_cache: torch.Tensor) -> bool:
+    """``_compiled`` for n queries of ``heads`` heads on ``like``'s device and dtype."""
+    if not (SWITCHES.compiled_views and cpu_view.usable_rows(n, heads, k_cache.shape[-1], like, k_cache)):
         return False
     if view.widest is None:
         view.widest = max([0] + [u.rank for st in view.stacks for g in st.groups for u in (g[0][0], g[2][0])])
     return view.widest <= cpu_view.MAX_RANK
+
+
+def one_call(view: GatheredLayout, layer: int, dim: int) -> tuple | None:
+    """The one call of the compiled loops for a layer's attention over the view (the usual case):
+    (slots, key_class, q_cos, q_sin, tables, held) as ``cpu_view.view_attention`` takes them, ``held``
+    being what the stacks' tables point at (kept alive by the caller for the call); None where a stack's
+    bases need the per-part calls."""
+    rotated = view.cos.shape[0] > 0
+    slots, key_class = (view.slots, view.key_class) if view.order is None else (view.order.slots, view.order.key_class)
+    tables = [_compiled_table(st, active, layer, view.keep, dim) for st in view.stacks if (active := st.active(layer))]
+    if not all(t is not None for t in tables):
+        return None
+    return (slots, key_class if rotated else None, view.q_cos, view.q_sin,
+            [t[0] for t in tables], [t[1] for t in tables])
 
 
 def _compiled_attention(q: torch.Tensor, view: GatheredLayout, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -36,15 +55,13 @@ def _compiled_attention(q: torch.Tensor, view: GatheredLayout, k_cache: torch.Te
     in blocks of rows from the kept codes and the stored bases."""
     q = q.contiguous()
     n, kvh = q.shape[0], k_cache.shape[1]
+    call = one_call(view, layer, q.shape[-1])
+    if call is not None:
+        slots, key_class, q_cos, q_sin, tables, _ = call
+        return ungroup(cpu_view.view_attention(q, k_cache, v_cache, slots, key_class, q_cos, q_sin, scale, tables), n)
     rotated = view.cos.shape[0] > 0
     slots, key_class = (view.slots, view.key_class) if view.order is None else (view.order.slots, view.order.key_class)
     key_class = key_class if rotated else None
-    tables = [_compiled_table(st, active, layer, view.keep, q.shape[-1])
-              for st in view.stacks if (active := st.active(layer))]
-    if all(t is not None for t in tables):              # one call for the layer (the usual case)
-        out = cpu_view.view_attention(q, k_cache, v_cache, slots, key_class, view.q_cos, view.q_sin, scale,
-                                      [t[0] for t in tables])
-        return ungroup(out, n)
     scores = cpu_view.scores(q, k_cache, slots, key_class, view.q_cos, view.q_sin)
     qg = group_queries(q, kvh)
     parts = []

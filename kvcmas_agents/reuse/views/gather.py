@@ -13,7 +13,7 @@ from ...model.attention import sdpa
 from ...model.rope import signed_sin
 from ..realign import Realigner
 from ..storage.readers import Basis, Coeffs
-from .compiled import _compiled, _compiled_attention
+from .compiled import _compiled, _compiled_attention, _compiled_rows, one_call
 from .dense import gathered_kv
 from .layout import GatheredLayout, Group, KeyOrder, Stack
 from .lowrank import _lowrank_attention, _query_side
@@ -34,6 +34,14 @@ class GatheredView(GatheredLayout):
                layer: int, scale: float) -> torch.Tensor:
         """Attention of the view's last len(q) positions (``q_positions`` is implied by the layout)."""
         return gathered_attention(q, self, k_cache, v_cache, layer, scale)
+
+    def compiled_call(self, n: int, heads: int, like: torch.Tensor, k_cache: torch.Tensor, layer: int) -> tuple | None:
+        """What ``gathered_attention`` would hand the compiled loops in one call for n queries at ``layer``
+        (``compiled.one_call``), so that a decode step can make that call with its RoPE and KV write;
+        None where it takes another path."""
+        if n > LOWRANK_QUERY or not (self.stacks or self.cos.shape[0]) or not _compiled_rows(n, heads, like, self, k_cache):
+            return None
+        return one_call(self, layer, k_cache.shape[-1])
 
 
 def build_gathered(pieces: list, realigner: Realigner, device: torch.device, dtype: torch.dtype) -> GatheredView:
