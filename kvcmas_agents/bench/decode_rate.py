@@ -13,7 +13,9 @@ and GNU OpenMP then sleeps and wakes on every parallel region, which the view's 
   (the compiled CPU loops of ``kernels.cpu_view`` where they built);
 - ``kvcmas-torch``: the same by torch ops alone (``switches.compiled_views`` off);
 - ``kvcmas-unkept``: the same, unpacking the codes in every step (``switches.keep_codes`` off);
-- ``kvcmas-copy``: the view written into the request's own blocks first (``decode_copy="auto"``).
+- ``kvcmas-copy``: the view written into the request's own blocks first (``decode_copy="auto"``);
+- ``prefix-ops`` and ``kvcmas-ops``: prefix and kvcmas with each decode layer's RoPE, KV write and
+  attention as separate ops, as before they became one call (``switches.rope_write`` off).
 
 Prints JSON: per variant, tok/s after the first token (per round and median), its median per-round
 ratio to prefix, and what the decode held besides the KV it shares (kept codes, or the copy's blocks).
@@ -29,14 +31,18 @@ import statistics
 
 from ..engine import Engine, EngineConfig, KVCMASConfig, SamplingParams
 from ..fidelity.caller_thread import single_threaded_caller
-from ..switches import SWITCHES
+from ..switches import off as switches_off
 from .team_history import LATER, lead_history, prompt
 
 HELP = "a later agent's decode rate over a shared history: prefix against kvcmas's ways of decoding"
 
 VARIANTS = {"prefix": ("prefix", {}), "kvcmas": ("kvcmas", {}), "kvcmas-torch": ("kvcmas", {}),
             "kvcmas-unkept": ("kvcmas", {}),
-            "kvcmas-copy": ("kvcmas", {"decode_copy": "auto"})}
+            "kvcmas-copy": ("kvcmas", {"decode_copy": "auto"}), "prefix-ops": ("prefix", {}),
+            "kvcmas-ops": ("kvcmas", {})}
+# The fast paths each variant turns off (``switches``) while it decodes.
+OFF = {"kvcmas-torch": ("compiled_views",), "kvcmas-unkept": ("keep_codes",), "prefix-ops": ("rope_write",),
+       "kvcmas-ops": ("rope_write",)}
 
 
 async def _engine(mode: str, knobs: dict, threads: int) -> Engine:
@@ -69,11 +75,10 @@ async def measure(rounds: int, tokens: int, variants: dict[str, tuple[str, dict]
         for _ in range(rounds):
             for name, (mode, knobs) in variants.items():
                 engine = await _engine(mode, knobs, threads)
-                SWITCHES.keep_codes, SWITCHES.compiled_views = name != "kvcmas-unkept", name != "kvcmas-torch"
                 try:
-                    rate, reused[name], mid = await _decode(engine, tokens)
+                    with switches_off(*OFF.get(name, ())):
+                        rate, reused[name], mid = await _decode(engine, tokens)
                 finally:
-                    SWITCHES.keep_codes = SWITCHES.compiled_views = True
                     await engine.aclose()
                 rates[name].append(rate)
                 kv = mid.get("reuse", {}).get("kvcmas", {})

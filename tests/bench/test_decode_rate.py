@@ -15,4 +15,5 @@ def test_each_way_of_decoding_is_reported_with_what_it_holds():
     # reading the view keeps unpacked codes; unpacking every step keeps none; the copy holds a history's blocks
     assert 0 < v["kvcmas"]["held_bytes_while_decoding"] < v["kvcmas-copy"]["held_bytes_while_decoding"]
     assert v["kvcmas-unkept"]["held_bytes_while_decoding"] == 0
-    assert SWITCHES.keep_codes and SWITCHES.compiled_views
+    assert v["prefix-ops"]["reused_tokens"] == 0 and v["kvcmas-ops"]["reused_tokens"] > 1400
+    assert SWITCHES.keep_codes and SWITCHES.compiled_views and SWITCHES.rope_write

@@ -26,9 +26,11 @@ OURS = ("kvcmas-none", "kvcmas-prefix", "kvcmas-kvcmas")
 # rounded to int8 (weights="int8", llama.cpp's numerics); kvcmas writing each view into the request's
 # own blocks for its decode (decode_copy="auto": prefix's decode speed, more KV while it runs); kvcmas
 # correcting every request inline, nothing ahead of time (prefetch="off": no work between decode steps);
-# kvcmas recomputing in bf16 products (recompute_dtype="bfloat16": faster on AMX, flips near-ties)
+# kvcmas recomputing in bf16 products (recompute_dtype="bfloat16": faster on AMX, flips near-ties);
+# prefix and kvcmas with each decode layer's RoPE, KV write and attention as separate ops
+# (switches.rope_write off: what the one call buys)
 EXTRA = ("kvcmas-prefix-dense", "kvcmas-prefix-int8", "kvcmas-kvcmas-int8", "kvcmas-kvcmas-copy",
-         "kvcmas-kvcmas-inline", "kvcmas-kvcmas-bf16")
+         "kvcmas-kvcmas-inline", "kvcmas-kvcmas-bf16", "kvcmas-prefix-ops", "kvcmas-kvcmas-ops")
 ENGINES = OURS + ("llama.cpp", "vllm")
 AGENTS = (("planner", "You are the planner. Break the task into steps for the team."),
           ("coder", "You are the coder. Write the code the plan asks for."),

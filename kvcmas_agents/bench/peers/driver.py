@@ -124,6 +124,9 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
     import asyncio
 
     from kvcmas_agents import Engine, EngineConfig, KVCMASConfig, SamplingParams
+    from kvcmas_agents.switches import SWITCHES
+
+    SWITCHES.rope_write = variant != "ops"
 
     engine = Engine(EngineConfig(reuse=mode, weights=variant if variant in ("dense", "int8") else "auto",
                                  methods={"kvcmas": KVCMASConfig(decode_copy="auto" if variant == "copy" else "off",
@@ -149,7 +152,8 @@ def kvcmas_chat(mode: str, trace: dict, variant: str = "") -> tuple[Chat, Callab
         stats = engine.stats()
         engine.close()
         label = {"dense": ", dense weights", "int8": ", int8 rows", "copy": ", decode_copy=auto",
-                 "inline": ", prefetch=off", "bf16": ", bf16 recompute"}.get(variant, "")
+                 "inline": ", prefetch=off", "bf16": ", bf16 recompute",
+                 "ops": ", decode layers as separate ops"}.get(variant, "")
         kv = stats["reuse"].get("kvcmas", {})
         return {"engine": f"kvcmas reuse={mode}{label}", "weights": stats["engine"]["weights"],
                 "reuse_fallbacks": stats["counters"]["reuse_fallbacks"],
