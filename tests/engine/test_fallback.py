@@ -7,6 +7,7 @@ import logging
 import pytest
 
 from kvcmas_agents import Engine, EngineConfig, SamplingParams
+from kvcmas_agents.kernels import cpu_view
 from kvcmas_agents.reuse.kvcmas import correction
 from kvcmas_agents.reuse.views import gather
 
@@ -104,15 +105,24 @@ async def test_a_view_failing_mid_decode_is_finished_exactly(monkeypatch, held_b
     engine = Engine(EngineConfig(reuse="kvcmas"))         # decodes over its view (decode_copy "off")
     try:
         prompts = await _agent_turns(engine)
-        real, steps = gather.gathered_attention, {"n": 0}
+        real, real_call, steps = gather.gathered_attention, cpu_view.rope_write_view, {"n": 0}
+
+        def step():
+            steps["n"] += 1
+            if steps["n"] >= 30 * 5:               # from the 5th decode step on (30 layers a step), and on retry
+                raise RuntimeError("injected view fault")
 
         def flaky(q, view, *args, **kwargs):
             if q.shape[0] == 1 and view.stacks:
-                steps["n"] += 1
-                if steps["n"] >= 30 * 5:           # from the 5th decode step on (30 layers a step), and on retry
-                    raise RuntimeError("injected view fault")
+                step()
             return real(q, view, *args, **kwargs)
+
+        def flaky_call(qkv, *args, **kwargs):     # a decode layer's RoPE, KV write and view attention in one call
+            if qkv.shape[0] == 1:
+                step()
+            return real_call(qkv, *args, **kwargs)
         monkeypatch.setattr(gather, "gathered_attention", flaky)
+        monkeypatch.setattr(cpu_view, "rope_write_view", flaky_call)
         streamed = []
         async for delta in engine.stream([_system("tester")] + prompts[-1][1:], agent="tester", sampling=GREEDY):
             streamed.extend(delta.token_ids)
