@@ -5,7 +5,7 @@ but a benchmark or a test changes them, and ``off`` puts them back.
 - ``keep_codes``: views kept for a decode keep their unpacked correction codes (reuse/views/layout.py);
 - ``compiled_views``: decode-sized attention over a view by the compiled CPU loops (reuse/views/compiled.py);
 - ``plain_loops``: decode-sized attention over plain paged KV by the same loops (engine/paged_attention.py);
-- ``rope_write``: a decode step's RoPE, KV write and plain attention in one call per layer
+- ``rope_write``: a decode step's RoPE, KV write and attention in one call per layer
   (engine/paged_attention.py ``attend_qkv``).
 """
 from __future__ import annotations

@@ -48,9 +48,9 @@ class PagedAttention:
     def attend_qkv(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
                    ) -> torch.Tensor | None:
         """A decode-sized step's layer from the fused product's unrotated rows [T, (H + 2 KVH) * D]: RoPE
-        and the KV write in one call of the compiled loops, and with them a lone sequence's plain
-        attention (``switches.rope_write``); None where they do not serve (``LlamaModel.layer`` then
-        rotates in torch and calls the backend)."""
+        and the KV write in one call of the compiled loops, and with them a lone sequence's attention,
+        plain or over a view the loops serve in one call (``switches.rope_write``); None where they do not
+        serve (``LlamaModel.layer`` then rotates in torch and calls the backend)."""
         kc, vc = self.store.k[layer], self.store.v[layer]
         if not (SWITCHES.rope_write and cpu_view.rope_write_usable(qkv, cos, kc, self.write_slots)
                 and sin_signed.is_contiguous()):
@@ -59,7 +59,7 @@ class PagedAttention:
         heads = qkv.shape[1] // dim - 2 * kvh
         s = self.slices[0]
         plain = (len(self.slices) == 1 and s.view is None and SWITCHES.plain_loops and n <= SMALL_QUERY
-                 and heads // kvh * n <= cpu_view.MAX_ROWS)
+                 and cpu_view.usable_rows(n, heads, dim, qkv, kc))        # as ``_one`` decides
         view_call = getattr(s.view, "compiled_call", None) if len(self.slices) == 1 else None
         call = view_call(n, heads, qkv, kc, layer) if view_call is not None else None
         if call is not None:                  # a corrected view's attention in the same call

@@ -1,6 +1,6 @@
 /* The start of a decode step's attention in one call: RoPE of the step's q and k rows as the fused q/k/v
-   product left them, k and v written to their cache slots, and (given the context's slots) the plain
-   attention of the loops in cpu_view.c.
+   product left them, k and v written to their cache slots, and then the attention of the loops in
+   cpu_view.c: plain (given the context's slots) or over a corrected view.
 
    A decode layer made six small torch ops and two loop calls here, each a few microseconds against a
    few of real work. The rotation is bitwise torch's ``rotate_``: x * cos + roll(x, D/2) * signed sin,

@@ -20,13 +20,9 @@ from .layout import GatheredLayout, Stack
 # (``switches.compiled_views``).
 
 
-def _compiled(q: torch.Tensor, view: GatheredLayout, k_cache: torch.Tensor) -> bool:
-    """Whether the compiled CPU loops can serve this attention."""
-    return _compiled_rows(q.shape[0], q.shape[1], q, view, k_cache)
-
-
 def _compiled_rows(n: int, heads: int, like: torch.Tensor, view: GatheredLayout, k_cache: torch.Tensor) -> bool:
-    """``_compiled`` for n queries of ``heads`` heads on ``like``'s device and dtype."""
+    """Whether the compiled CPU loops can serve n queries of ``heads`` heads over the view, on ``like``'s
+    device and dtype."""
     if not (SWITCHES.compiled_views and cpu_view.usable_rows(n, heads, k_cache.shape[-1], like, k_cache)):
         return False
     if view.widest is None:

@@ -13,7 +13,7 @@ from ...model.attention import sdpa
 from ...model.rope import signed_sin
 from ..realign import Realigner
 from ..storage.readers import Basis, Coeffs
-from .compiled import _compiled, _compiled_attention, _compiled_rows, one_call
+from .compiled import _compiled_attention, _compiled_rows, one_call
 from .dense import gathered_kv
 from .layout import GatheredLayout, Group, KeyOrder, Stack
 from .lowrank import _lowrank_attention, _query_side
@@ -39,7 +39,7 @@ class GatheredView(GatheredLayout):
         """What ``gathered_attention`` would hand the compiled loops in one call for n queries at ``layer``
         (``compiled.one_call``), so that a decode step can make that call with its RoPE and KV write;
         None where it takes another path."""
-        if n > LOWRANK_QUERY or not (self.stacks or self.cos.shape[0]) or not _compiled_rows(n, heads, like, self, k_cache):
+        if not _takes_compiled(self, n, heads, like, k_cache):
             return None
         return one_call(self, layer, k_cache.shape[-1])
 
@@ -114,11 +114,16 @@ def _basis_id(b: torch.Tensor | None, u: torch.Tensor) -> object:
     return id(b) if b is not None else ("identity", u.shape[-1], u.dtype)
 
 
+def _takes_compiled(view: GatheredLayout, n: int, heads: int, like: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether n queries over the view take the compiled loops (``_compiled_attention``)."""
+    return n <= LOWRANK_QUERY and bool(view.stacks or view.cos.shape[0]) and _compiled_rows(n, heads, like, view, k_cache)
+
+
 def gathered_attention(q: torch.Tensor, view: GatheredView, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        layer: int, scale: float) -> torch.Tensor:
     """Causal attention of the last len(q) positions over the view; q [Tq, H, D] -> [Tq, H, D]."""
     few = q.shape[0] <= LOWRANK_QUERY
-    if few and (view.stacks or view.cos.shape[0]) and _compiled(q, view, k_cache):
+    if _takes_compiled(view, q.shape[0], q.shape[1], q, k_cache):
         return _compiled_attention(q, view, k_cache, v_cache, layer, scale)
     if few and (view.stacks or _query_side(view, q.shape[0])):     # (also below first_layer: same numerics)
         return _lowrank_attention(q, view, k_cache, v_cache, layer, scale)
